@@ -1,0 +1,118 @@
+"""Strong content keys for cached chunk KV.
+
+Reused KV must never come from different tokens, model or settings, so every key
+hashes (SHA-256) the exact token ids together with a fingerprint of everything that
+shapes the KV: model identity, dtype, page size, tensor-parallel rank and size, and
+whether keys are stored before or after RoPE.
+
+Long chunks are split into segments of at most ``segment_tokens`` tokens, each keyed
+by its parent segment's key plus its own tokens (DARIC 3.3.2), so segment i of a chunk
+is only found when segments 0..i-1 match too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+KEY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything besides the tokens that determines a chunk's KV bytes.
+
+    model_id:    a digest of the model's config and weights identity (see
+                 ``fingerprint_model_dir``), never just a user-given name.
+    dtype:       KV dtype name, e.g. "float32", "bfloat16".
+    page_size:   KV page size of the pool the chunk lives in.
+    tp_rank:     tensor-parallel rank (each rank holds its own heads).
+    tp_size:     tensor-parallel world size.
+    pre_rope:    keys stored before RoPE (deferred RoPE) rather than after.
+    """
+
+    model_id: str
+    dtype: str
+    page_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pre_rope: bool = False
+
+    def digest(self) -> str:
+        payload = json.dumps({"v": KEY_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class SegmentKey:
+    """Key of one cached segment: ``digest`` names it; ``start``/``end`` locate its
+    tokens inside the chunk."""
+
+    digest: str
+    start: int
+    end: int
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    # Fixed-width little-endian encoding: no two token lists share bytes.
+    return b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
+
+
+def chunk_digest(token_ids: Sequence[int], fingerprint: ModelFingerprint) -> str:
+    """SHA-256 key of a whole chunk."""
+    h = hashlib.sha256()
+    h.update(b"sgl_pic.chunk\0")
+    h.update(fingerprint.digest().encode())
+    h.update(len(token_ids).to_bytes(8, "little"))
+    h.update(_token_bytes(token_ids))
+    return h.hexdigest()
+
+
+def segment_keys(
+    token_ids: Sequence[int], fingerprint: ModelFingerprint, segment_tokens: int = 256
+) -> tuple[SegmentKey, ...]:
+    """Chained keys of the segments of one chunk, in order."""
+    if segment_tokens < 1:
+        raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
+    if len(token_ids) == 0:
+        raise ValueError("a chunk needs at least one token")
+    parent = fingerprint.digest()
+    keys: list[SegmentKey] = []
+    for start in range(0, len(token_ids), segment_tokens):
+        seg = token_ids[start : start + segment_tokens]
+        h = hashlib.sha256()
+        h.update(b"sgl_pic.segment\0")
+        h.update(parent.encode())
+        h.update(len(seg).to_bytes(8, "little"))
+        h.update(_token_bytes(seg))
+        parent = h.hexdigest()
+        keys.append(SegmentKey(parent, start, start + len(seg)))
+    return tuple(keys)
+
+
+def fingerprint_model_dir(path: str) -> str:
+    """SHA-256 over a model directory's config and the full bytes of its weight files.
+
+    Hashing full weights (about 0.5 s for the embedded model) keeps two fine-tunes that
+    share a config from ever exchanging KV."""
+    from pathlib import Path
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root} has no config.json; not a model directory")
+    h = hashlib.sha256()
+    h.update(b"sgl_pic.model\0")
+    h.update((root / "config.json").read_bytes())
+    weights = sorted(
+        p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")
+    )
+    if not weights:
+        raise FileNotFoundError(f"{root} has no weight files")
+    for p in weights:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,112 @@
+"""Where the chunks of a prompt lie: validated token spans.
+
+A prompt is a token sequence covered by ordered segments. A *chunk* segment is
+reusable: its KV may come from the chunk cache, encoded independently. A *fresh*
+segment (text outside any chunk mark, e.g. the question) has no cached KV and is
+always computed in full, as an engine prefills uncached text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """Malformed chunk marks: unbalanced, overlapping, out of range or empty."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Half-open token range [start, end) of one segment."""
+
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the prompt, in order."""
+
+    span: Span
+    reusable: bool
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """Validated chunk spans of a prompt of ``num_tokens`` tokens.
+
+    chunks are sorted, non-empty, non-overlapping and inside [0, num_tokens);
+    the tokens they leave uncovered are fresh.
+    """
+
+    num_tokens: int
+    chunks: tuple[Span, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise LayoutError(f"a prompt needs at least one token, got {self.num_tokens}")
+        prev_end = 0
+        for i, span in enumerate(self.chunks):
+            if span.start < 0 or span.end > self.num_tokens:
+                raise LayoutError(
+                    f"chunk {i} [{span.start}, {span.end}) is out of range for "
+                    f"{self.num_tokens} tokens"
+                )
+            if span.length <= 0:
+                raise LayoutError(f"chunk {i} [{span.start}, {span.end}) is empty")
+            if span.start < prev_end:
+                raise LayoutError(
+                    f"chunk {i} [{span.start}, {span.end}) overlaps or precedes the chunk "
+                    f"before it (which ends at {prev_end}); chunks must be sorted and disjoint"
+                )
+            prev_end = span.end
+
+    @classmethod
+    def from_spans(cls, num_tokens: int, spans: Sequence[Sequence[int]]) -> PromptLayout:
+        """Build from ``[[start, end], ...]`` as sent over an API."""
+        parsed = []
+        for i, pair in enumerate(spans):
+            if len(pair) != 2 or not all(isinstance(v, int) for v in pair):
+                raise LayoutError(f"chunk {i} must be a pair of integers [start, end], got {pair}")
+            parsed.append(Span(int(pair[0]), int(pair[1])))
+        return cls(num_tokens, tuple(parsed))
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], fresh_tail: int = 0) -> PromptLayout:
+        """Consecutive chunks of the given lengths, then ``fresh_tail`` fresh tokens."""
+        spans, pos = [], 0
+        for n in lengths:
+            spans.append(Span(pos, pos + n))
+            pos += n
+        return cls(pos + fresh_tail, tuple(spans))
+
+    def segments(self) -> tuple[Segment, ...]:
+        """Every piece of the prompt in order: chunks and the fresh gaps between them."""
+        out: list[Segment] = []
+        pos = 0
+        for span in self.chunks:
+            if span.start > pos:
+                out.append(Segment(Span(pos, span.start), reusable=False))
+            out.append(Segment(span, reusable=True))
+            pos = span.end
+        if pos < self.num_tokens:
+            out.append(Segment(Span(pos, self.num_tokens), reusable=False))
+        return tuple(out)
+
+    def fresh_indices(self) -> list[int]:
+        """Token indices no chunk covers; they are always computed."""
+        return [
+            i
+            for seg in self.segments()
+            if not seg.reusable
+            for i in range(seg.span.start, seg.span.end)
+        ]
+
+    @property
+    def num_reusable(self) -> int:
+        return sum(span.length for span in self.chunks)
