@@ -17,7 +17,9 @@ import torch
 RopeLayout = Literal["neox", "interleaved"]
 
 
-def default_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+def default_inv_freq(
+    head_dim: int, theta: float, device: torch.device | None = None
+) -> torch.Tensor:
     """# [head_dim // 2] float32 frequencies of standard RoPE."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     return (1.0 / (theta**exponent)).to(torch.float32)

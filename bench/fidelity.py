@@ -1,0 +1,270 @@
+"""Fidelity vs recompute budget of every selection policy, against exact full prefill.
+
+Each MuSiQue example becomes a prompt of a system chunk, one chunk per passage and a
+fresh question. Per example: full prefill (the reference, timed), independent KV of
+every chunk (cached: not part of the reuse path's time), then for each policy and
+budget the reuse path (assembly + selection + recomputation, timed) and its fidelity.
+Time ratios are measured side by side in the same process for the same prompt.
+
+    python bench/fidelity.py --examples 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sgl_pic.config import PicConfig  # noqa: E402
+from sgl_pic.fidelity import (  # noqa: E402
+    answer_f1,
+    first_token_kl,
+    greedy_agreement,
+    kv_deviation,
+    top1_agrees,
+)
+from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.prompts import build_prompt, load_rag_examples  # noqa: E402
+from sgl_pic.selection import cachetune_ranking, make_policy  # noqa: E402
+
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    policy: str
+    overrides: tuple[tuple[str, Any], ...]
+    is_default: bool
+
+
+def variants(sweep: bool) -> list[Variant]:
+    """Every policy at its default budget, plus a budget sweep of the partial ones."""
+    defaults = PicConfig()
+    out = [
+        Variant("full_recompute", "full_recompute", (), True),
+        Variant("full_reuse", "full_reuse", (), True),
+        Variant(f"epic k={defaults.epic_k}", "epic", (), True),
+        Variant(f"cacheblend {defaults.cacheblend_ratio:.0%}", "cacheblend", (), True),
+        Variant(f"daric n_avg={defaults.daric_n_avg:g}", "daric", (), True),
+        Variant(f"cachetune {defaults.cachetune_r:.0%}", "cachetune", (), True),
+    ]
+    if not sweep:
+        return out
+    for k in (8, 16, 64):
+        out.append(Variant(f"epic k={k}", "epic", (("epic_k", k),), False))
+    for ratio in (0.05, 0.3):
+        out.append(
+            Variant(f"cacheblend {ratio:.0%}", "cacheblend", (("cacheblend_ratio", ratio),), False)
+        )
+    for n_avg in (8, 16, 64):
+        out.append(Variant(f"daric n_avg={n_avg}", "daric", (("daric_n_avg", n_avg),), False))
+    for r in (0.05, 0.3):
+        out.append(Variant(f"cachetune {r:.0%}", "cachetune", (("cachetune_r", r),), False))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    model_path = args.model or _embedded_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
+    examples = load_rag_examples(args.data)[: args.examples]
+    base = PicConfig()
+    alpha = base.cachetune_alpha
+    all_variants = variants(not args.no_sweep)
+    rows: list[dict[str, Any]] = []
+
+    def ranker(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cachetune_ranking(k, v, alpha)
+
+    bar = tqdm(total=len(examples) * len(all_variants), desc="fidelity", unit="run")
+    for ex_i, ex in enumerate(examples):
+        passages = [_truncate(tokenizer, p, args.passage_tokens) for p in ex.passages]
+        prompt = build_prompt(tokenizer, passages[: args.passages], ex.question)
+        ids, layout = prompt.token_ids, prompt.layout
+
+        t0 = time.perf_counter()
+        full = oracle.prefill(ids)
+        t_full = time.perf_counter() - t0
+        ref_tokens = oracle.generate(full.kv, full.logits, args.new_tokens)
+        chunks = [oracle.encode_chunk(ids[s.start : s.end], ranker=ranker) for s in layout.chunks]
+        for var in all_variants:
+            policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
+            t0 = time.perf_counter()
+            res = oracle.reuse(ids, layout, chunks, policy)
+            t_reuse = time.perf_counter() - t0
+            tokens = oracle.generate(res.kv, res.logits, args.new_tokens)
+            computed = res.computed.indices
+            in_chunks = sum(
+                int(((computed >= s.start) & (computed < s.end)).sum()) for s in layout.chunks
+            )
+            rows.append(
+                {
+                    "example": ex_i,
+                    "variant": var.label,
+                    "policy": var.policy,
+                    "default": var.is_default,
+                    "num_tokens": layout.num_tokens,
+                    "num_chunks": len(layout.chunks),
+                    "recompute_fraction": in_chunks / layout.num_reusable,
+                    "computed_fraction": computed.numel() / layout.num_tokens,
+                    "kl": first_token_kl(full.logits, res.logits),
+                    "top1": float(top1_agrees(full.logits, res.logits)),
+                    "greedy_agreement": greedy_agreement(ref_tokens, tokens),
+                    "kv_deviation": kv_deviation(full.kv, res.kv),
+                    "f1": answer_f1(tokenizer.decode(tokens, skip_special_tokens=True), ex.answers),
+                    "f1_full": answer_f1(
+                        tokenizer.decode(ref_tokens, skip_special_tokens=True), ex.answers
+                    ),
+                    "time_ratio": t_reuse / t_full,
+                    "t_full_s": t_full,
+                    "t_reuse_s": t_reuse,
+                }
+            )
+            bar.update(1)
+    bar.close()
+    return {
+        "benchmark": "fidelity",
+        "model": str(model_path),
+        "data": str(args.data),
+        "examples": len(examples),
+        "passages": args.passages,
+        "passage_tokens": args.passage_tokens,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "summary": summarize(rows, all_variants),
+        "rows": rows,
+    }
+
+
+def summarize(rows: list[dict[str, Any]], all_variants: list[Variant]) -> list[dict[str, Any]]:
+    keys = (
+        "recompute_fraction",
+        "computed_fraction",
+        "kl",
+        "top1",
+        "greedy_agreement",
+        "kv_deviation",
+        "f1",
+        "time_ratio",
+    )
+    out = []
+    for var in all_variants:
+        mine = [r for r in rows if r["variant"] == var.label]
+        entry: dict[str, Any] = {
+            "variant": var.label,
+            "policy": var.policy,
+            "default": var.is_default,
+        }
+        for k in keys:
+            entry[k] = statistics.fmean(r[k] for r in mine)
+        out.append(entry)
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(
+        f"\n{result['examples']} examples, mean prompt "
+        f"{statistics.fmean(r['num_tokens'] for r in result['rows']):.0f} tokens"
+    )
+    header = (
+        f"{'variant':<20}{'recomp':>8}{'KL':>9}{'top1':>7}{'greedy':>8}"
+        f"{'KVdev':>8}{'F1':>6}{'time':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for s in result["summary"]:
+        print(
+            f"{s['variant']:<20}{s['recompute_fraction']:>8.3f}{s['kl']:>9.4f}{s['top1']:>7.2f}"
+            f"{s['greedy_agreement']:>8.2f}{s['kv_deviation']:>8.4f}{s['f1']:>6.2f}"
+            f"{s['time_ratio']:>7.2f}"
+        )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for s in result["summary"]:
+        by_policy.setdefault(s["policy"], []).append(s)
+    for policy, entries in sorted(by_policy.items()):
+        entries.sort(key=lambda e: e["recompute_fraction"])
+        xs = [e["recompute_fraction"] for e in entries]
+        for ax, key in zip(axes, ("kl", "greedy_agreement"), strict=True):
+            ax.plot(xs, [e[key] for e in entries], marker="o", label=policy)
+    axes[0].set_ylabel("first-token KL to full prefill (nats, lower is better)")
+    axes[0].set_yscale("symlog", linthresh=1e-3)
+    axes[1].set_ylabel(f"greedy agreement, first {result['new_tokens']} tokens")
+    for ax in axes:
+        ax.set_xlabel("fraction of chunk tokens recomputed")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(
+        f"Fidelity vs recompute ({result['examples']} MuSiQue examples, SmolLM2-135M, oracle)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _truncate(tokenizer: Any, text: str, max_tokens: int) -> str:
+    if max_tokens <= 0:
+        return text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+
+
+def _embedded_path() -> Path:
+    from sgl_pic.model.embedded import ensure_embedded_model
+
+    return ensure_embedded_model().path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="RAG JSON (MuSiQue shape)")
+    p.add_argument("--model", type=Path, default=None, help="HF model dir (default: embedded)")
+    p.add_argument("--examples", type=int, default=20)
+    p.add_argument("--passages", type=int, default=8, help="passages (chunks) per prompt")
+    p.add_argument(
+        "--passage-tokens", type=int, default=256, help="truncate passages (0 = keep whole)"
+    )
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-sweep", action="store_true", help="default budgets only")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fidelity.json")
+    args = p.parse_args(argv)
+    if args.examples < 1 or args.passages < 1:
+        p.error("--examples and --passages must be >= 1")
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    print_table(result)
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

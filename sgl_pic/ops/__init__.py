@@ -1,0 +1,39 @@
+"""KV-cache kernels of position-independent reuse: sparse gather of a cached chunk's
+reused tokens into pool slots, scatter of recomputed rows, deferred RoPE and RoPE
+re-rotation, each for all layers or one.
+
+CUDA kernels (``kernels/``) run when the tensors are on a GPU and the library loads
+(``cuda_status()``); the torch reference (``sgl_pic.ops.reference``) runs otherwise.
+Importing this package builds and loads nothing.
+"""
+
+from sgl_pic.ops.cuda import CudaStatus
+from sgl_pic.ops.cuda import status as cuda_status
+from sgl_pic.ops.dispatch import (
+    apply_rope_kv,
+    apply_rope_kv_layer,
+    gather_kv,
+    gather_kv_layer,
+    rerotate_kv,
+    rerotate_kv_layer,
+    scatter_kv,
+    scatter_kv_layer,
+)
+from sgl_pic.ops.reference import Backend, OpResult
+from sgl_pic.ops.validate import KVBuffer
+
+__all__ = [
+    "Backend",
+    "CudaStatus",
+    "KVBuffer",
+    "OpResult",
+    "apply_rope_kv",
+    "apply_rope_kv_layer",
+    "cuda_status",
+    "gather_kv",
+    "gather_kv_layer",
+    "rerotate_kv",
+    "rerotate_kv_layer",
+    "scatter_kv",
+    "scatter_kv_layer",
+]

@@ -1,0 +1,16 @@
+"""Plain-torch exact reference for chunk reuse (see ``oracle.Oracle``)."""
+
+from sgl_pic.oracle.forward import KVCache
+from sgl_pic.oracle.oracle import ChunkKV, FullPrefill, Oracle, ReuseResult
+from sgl_pic.oracle.weights import ModelWeights, load_hf_model, weights_from_hf
+
+__all__ = [
+    "ChunkKV",
+    "FullPrefill",
+    "KVCache",
+    "ModelWeights",
+    "Oracle",
+    "ReuseResult",
+    "load_hf_model",
+    "weights_from_hf",
+]

@@ -1,0 +1,226 @@
+"""The reference oracle: exact, readable chunk reuse over a model's own weights.
+
+It is the judge of every faster path (SGLang integration, kernels, tiers), not the
+product. Every path is a call of ``forward_tokens`` with a different buffer and token
+set, so full recompute (all tokens selected) equals full prefill exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from sgl_pic.layout import PromptLayout
+from sgl_pic.oracle.forward import (
+    KVCache,
+    empty_kv,
+    forward_tokens,
+    logits_of,
+    project_qkv,
+)
+from sgl_pic.oracle.weights import ModelWeights, load_hf_model, weights_from_hf
+from sgl_pic.rope import apply_rope, rerotate
+from sgl_pic.selection.base import (
+    Selection,
+    SelectionContext,
+    SelectionPolicy,
+    finalize,
+)
+
+
+class FullPrefill(NamedTuple):
+    kv: KVCache  # [num_layers, num_tokens, num_kv_heads, head_dim] each
+    logits: torch.Tensor  # [vocab] float32, last position
+
+
+class ChunkKV(NamedTuple):
+    """KV of one chunk encoded on its own (optionally after a shared prefix).
+
+    Immutable by convention: assembly copies it; nothing writes into it."""
+
+    token_ids: torch.Tensor  # [n]
+    kv: KVCache  # keys post-RoPE at positions base_position .. base_position + n - 1
+    pre_rope_k: torch.Tensor  # [num_layers, n, num_kv_heads, head_dim]
+    base_position: int
+    ranking: torch.Tensor | None  # [n] CacheTune score, higher = recompute first
+
+
+class ReuseResult(NamedTuple):
+    kv: KVCache  # the request's KV after recomputation
+    logits: torch.Tensor  # [vocab] float32, last position
+    computed: Selection  # token indices actually pushed through the model
+
+
+class Oracle:
+    """Plain-torch reference over a Llama-family model's weights."""
+
+    def __init__(self, weights: ModelWeights, kv_dtype: torch.dtype = torch.float32) -> None:
+        self.w = weights
+        self.kv_dtype = kv_dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Oracle:
+        return cls(weights_from_hf(load_hf_model(path)))
+
+    # -- exact references -------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor) -> FullPrefill:  # token_ids: [N]
+        """Ordinary causal prefill of the whole prompt."""
+        n = token_ids.numel()
+        kv = empty_kv(self.w, n, self.kv_dtype)
+        pos = torch.arange(n)
+        out = forward_tokens(self.w, token_ids, pos, pos, kv, pos)
+        return FullPrefill(kv, logits_of(self.w, out.hidden[-1:])[0])
+
+    @torch.inference_mode()
+    def encode_chunk(
+        self,
+        token_ids: torch.Tensor,  # [n]
+        prefix: KVCache | None = None,
+        ranker: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        start_position: int = 0,
+    ) -> ChunkKV:
+        """Independent KV of one chunk, from ``start_position`` (0 by default; any
+        other value is for testing rotation) or right after ``prefix``.
+
+        ranker(pre_rope_k, v) -> # [n] scores is run once here and stored with the
+        chunk (CacheTune's offline ranking)."""
+        if prefix is not None and start_position:
+            raise ValueError("start_position and prefix are exclusive")
+        p = start_position if prefix is None else prefix.num_tokens
+        n = token_ids.numel()
+        pos = torch.arange(p, p + n)
+        if prefix is None:
+            kv = empty_kv(self.w, n, self.kv_dtype)
+            slots, slot_pos = torch.arange(n), pos
+        else:
+            kv = empty_kv(self.w, p + n, self.kv_dtype)
+            kv.k[:, :p] = prefix.k
+            kv.v[:, :p] = prefix.v
+            slots, slot_pos = pos, torch.arange(p + n)
+        out = forward_tokens(self.w, token_ids, pos, slots, kv, slot_pos, keep_pre_rope=True)
+        own = KVCache(kv.k[:, slots].clone(), kv.v[:, slots].clone())
+        ranking = None if ranker is None else ranker(out.pre_rope_k, own.v)
+        return ChunkKV(token_ids.clone(), own, out.pre_rope_k, p, ranking)
+
+    # -- reuse ------------------------------------------------------------------
+
+    def assemble(
+        self,
+        token_ids: torch.Tensor,  # [N] the request's prompt
+        layout: PromptLayout,
+        chunks: Sequence[ChunkKV],
+        deferred_rope: bool = False,
+    ) -> KVCache:
+        """The request's own KV buffer: each chunk's KV placed at its span, keys moved
+        to their new positions (re-rotation of post-RoPE keys, or RoPE applied to
+        stored pre-RoPE keys when ``deferred_rope``). Fresh slots are zero; they
+        must be computed. Raises if a chunk's tokens differ from the prompt's."""
+        if len(chunks) != len(layout.chunks):
+            raise ValueError(f"{len(chunks)} chunk KVs for {len(layout.chunks)} chunk spans")
+        if token_ids.numel() != layout.num_tokens:
+            raise ValueError(f"{token_ids.numel()} tokens for a layout of {layout.num_tokens}")
+        kv = empty_kv(self.w, layout.num_tokens, self.kv_dtype)
+        for i, (span, chunk) in enumerate(zip(layout.chunks, chunks, strict=True)):
+            if not torch.equal(chunk.token_ids, token_ids[span.start : span.end]):
+                raise ValueError(f"chunk {i}'s cached tokens differ from the prompt's span")
+            new_pos = torch.arange(span.start, span.end)
+            for li in range(self.w.num_layers):
+                if deferred_rope:
+                    k = apply_rope(
+                        chunk.pre_rope_k[li], new_pos, self.w.inv_freq, scale=self.w.rope_scale
+                    )
+                else:
+                    old_pos = torch.arange(chunk.base_position, chunk.base_position + span.length)
+                    k = rerotate(chunk.kv.k[li], old_pos, new_pos, self.w.inv_freq)
+                kv.k[li, span.start : span.end] = k.to(self.kv_dtype)
+            kv.v[:, span.start : span.end] = chunk.kv.v
+        return kv
+
+    @torch.inference_mode()
+    def first_layer_deviation(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        layout: PromptLayout,
+        assembled: KVCache,
+    ) -> torch.Tensor:
+        """CacheBlend's online signal, # [N]: run layer 0 for every token, project the
+        K/V of layer 1, and measure the L2 distance to the reused layer-1 K/V per
+        token. Fresh tokens score 0 (they are computed regardless)."""
+        n = token_ids.numel()
+        work = assembled.clone()
+        pos = torch.arange(n)
+        out = forward_tokens(self.w, token_ids, pos, pos, work, pos, num_layers=1)
+        _, k, v = project_qkv(self.w, self.w.layers[1], out.residual)
+        k = apply_rope(k, pos, self.w.inv_freq, scale=self.w.rope_scale)
+        dev = (k - assembled.k[1].to(k.dtype)).flatten(1).norm(dim=1) + (
+            v - assembled.v[1].to(v.dtype)
+        ).flatten(1).norm(dim=1)
+        dev[torch.tensor(layout.fresh_indices(), dtype=torch.int64)] = 0.0
+        return dev.to(torch.float32)
+
+    @torch.inference_mode()
+    def recompute(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        assembled: KVCache,
+        computed: Selection,
+    ) -> ReuseResult:
+        """Selective recomputation of ``computed`` (which must hold the last token)
+        on a copy of ``assembled``; ``assembled`` itself is not modified."""
+        n = token_ids.numel()
+        idx = computed.indices
+        if idx.numel() == 0 or int(idx[-1]) != n - 1:
+            raise ValueError("the computed set must include the last token (its logits)")
+        kv = assembled.clone()
+        out = forward_tokens(self.w, token_ids[idx], idx, idx, kv, torch.arange(n))
+        return ReuseResult(kv, logits_of(self.w, out.hidden[-1:])[0], computed)
+
+    def reuse(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        layout: PromptLayout,
+        chunks: Sequence[ChunkKV],
+        policy: SelectionPolicy,
+        prefix_hit: int = 0,
+        deferred_rope: bool = False,
+    ) -> ReuseResult:
+        """Assemble, select with ``policy``, and recompute: the whole reuse path."""
+        assembled = self.assemble(token_ids, layout, chunks, deferred_rope)
+        ctx = SelectionContext(
+            layout=layout,
+            rankings=tuple(c.ranking for c in chunks),
+            deviation=lambda: self.first_layer_deviation(token_ids, layout, assembled),
+            prefix_hit=prefix_hit,
+        )
+        chosen = finalize(policy.select(ctx), layout, prefix_hit)
+        return self.recompute(token_ids, assembled, chosen)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        kv: KVCache,  # [num_layers, N, num_kv_heads, head_dim] KV of the prompt
+        first_logits: torch.Tensor,  # [vocab] logits at the prompt's last position
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        """# [max_new_tokens] greedy continuation; ``kv`` is not modified."""
+        n = kv.num_tokens
+        buf = empty_kv(self.w, n + max_new_tokens, self.kv_dtype)
+        buf.k[:, :n] = kv.k
+        buf.v[:, :n] = kv.v
+        slot_pos = torch.arange(n + max_new_tokens)
+        out: list[int] = []
+        logits = first_logits
+        for step in range(max_new_tokens):
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if step == max_new_tokens - 1:
+                break
+            p = torch.tensor([n + step])
+            res = forward_tokens(self.w, torch.tensor([tok]), p, p, buf, slot_pos)
+            logits = logits_of(self.w, res.hidden)[0]
+        return torch.tensor(out, dtype=torch.int64)

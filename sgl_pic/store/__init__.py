@@ -1,0 +1,91 @@
+"""Chunk KV store: host and disk tiers, the on-disk format, sparse loading with deferred
+RoPE, the per-layer pipeline, and CacheTune's recompute-ratio cost model."""
+
+from sgl_pic.store.base import (
+    ChunkKV,
+    ChunkStore,
+    EvictResult,
+    LayerKV,
+    StoreStats,
+    make_store,
+    register_store,
+    store_names,
+)
+from sgl_pic.store.cost_model import (
+    CostParams,
+    SearchConfig,
+    SearchResult,
+    balance_ratio,
+    choose_ratio,
+    golden_section,
+    ttft,
+)
+from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.errors import (
+    BadMagicError,
+    CorruptRecordError,
+    ForeignModelError,
+    RecordShapeError,
+    StoreError,
+    TokenMismatchError,
+    TruncatedRecordError,
+    UnsupportedFormatError,
+)
+from sgl_pic.store.host import HostStore, HostStoreConfig, WriteBack, WriteBackConfig
+from sgl_pic.store.loader import (
+    ChunkPlacement,
+    FetchedLayer,
+    LoadedLayer,
+    LoaderConfig,
+    LoadStats,
+    SparseLoader,
+    complement,
+)
+from sgl_pic.store.pipeline import PipelineConfig, PipelineTrace, TraceEvent, run_layer_pipeline
+from sgl_pic.store.tiered import DeviceTier, TieredStore, TieredStoreConfig
+
+__all__ = [
+    "BadMagicError",
+    "ChunkKV",
+    "ChunkPlacement",
+    "ChunkStore",
+    "CorruptRecordError",
+    "CostParams",
+    "DeviceTier",
+    "DiskStore",
+    "DiskStoreConfig",
+    "EvictResult",
+    "FetchedLayer",
+    "ForeignModelError",
+    "HostStore",
+    "HostStoreConfig",
+    "LayerKV",
+    "LoadStats",
+    "LoadedLayer",
+    "LoaderConfig",
+    "PipelineConfig",
+    "PipelineTrace",
+    "RecordShapeError",
+    "SearchConfig",
+    "SearchResult",
+    "SparseLoader",
+    "StoreError",
+    "StoreStats",
+    "TieredStore",
+    "TieredStoreConfig",
+    "TokenMismatchError",
+    "TraceEvent",
+    "TruncatedRecordError",
+    "UnsupportedFormatError",
+    "WriteBack",
+    "WriteBackConfig",
+    "balance_ratio",
+    "choose_ratio",
+    "complement",
+    "golden_section",
+    "make_store",
+    "register_store",
+    "run_layer_pipeline",
+    "store_names",
+    "ttft",
+]

@@ -1,0 +1,368 @@
+"""Host-memory tier: a byte-capacity cache of chunk records with LRU or LFU eviction,
+locking, pinned buffers when CUDA is present, and a background write-back queue."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from sgl_pic.store.base import (
+    ChunkKV,
+    ChunkStore,
+    EvictResult,
+    LayerKV,
+    StoreStats,
+    check_key,
+    layer_offsets,
+    normalize_indices,
+    register_store,
+)
+from sgl_pic.store.eviction import EntryMeta, check_policy, eviction_order
+
+WRITE_BACK_MODES: tuple[str, ...] = ("on_put", "on_evict")
+
+
+@dataclass(frozen=True)
+class HostStoreConfig:
+    """capacity_bytes: payload bytes (K and V) the tier may hold, >= 0.
+    policy:          "lru" evicts the least recently used entry first; "lfu" the least
+                     often used, ties broken by recency.
+    pin_memory:      copy records into page-locked memory when CUDA is available, so
+                     host-to-device copies can be asynchronous. Ignored without CUDA.
+    write_back:      when records go to the write-back sink (if the store has one):
+                     "on_put" soon after each new record arrives (write-through, off the
+                     critical path), "on_evict" only when evicted (demotion).
+    write_back_queue: jobs the background writer may have pending; more are dropped.
+    """
+
+    capacity_bytes: int
+    policy: str = "lru"
+    pin_memory: bool = True
+    write_back: str = "on_put"
+    write_back_queue: int = 64
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        check_policy(self.policy)
+        if self.write_back not in WRITE_BACK_MODES:
+            raise ValueError(
+                f"unknown write_back {self.write_back!r}; valid: {', '.join(WRITE_BACK_MODES)}"
+            )
+        if self.write_back_queue < 1:
+            raise ValueError(f"write_back_queue must be >= 1, got {self.write_back_queue}")
+
+
+@register_store
+class HostStore(ChunkStore):
+    """Records in host memory. ``get`` returns the stored record itself (no copy):
+    read-only by contract.
+
+    write_back_to: a sink (e.g. ``DiskStore.put``) that a background thread feeds with
+                   records per ``config.write_back``; ``flush`` waits for it.
+    on_evict:      called with each evicted record, outside the store's lock, in the
+                   evicting thread; it must not block for long.
+    """
+
+    name: ClassVar[str] = "host"
+
+    def __init__(
+        self,
+        config: HostStoreConfig,
+        model_digest: str,
+        write_back_to: Callable[[ChunkKV], object] | None = None,
+        on_evict: Callable[[ChunkKV], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_digest = check_key(model_digest)
+        self._on_evict = on_evict
+        self._sink = write_back_to
+        self._writer = (
+            None
+            if write_back_to is None
+            else WriteBack(WriteBackConfig(config.write_back_queue), "sgl-pic-host-writeback")
+        )
+        self._pin = config.pin_memory and torch.cuda.is_available()
+        self._lock = threading.Lock()
+        self._entries: dict[str, EntryMeta] = {}
+        self._records: dict[str, ChunkKV] = {}
+        self._clock = itertools.count()
+        self._used = 0
+        self._counts: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        # The store owns its bytes: a caller reusing its buffer cannot change a record.
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)
+        out.copy_(t)
+        return out
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def _lookup(self, key: str, token_ids: Sequence[int] | None) -> ChunkKV | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if (
+                entry is not None
+                and token_ids is not None
+                and tuple(int(t) for t in token_ids) != self._records[key].token_ids
+            ):
+                # Same key, other tokens: the key cannot be trusted; drop it.
+                self._errors["token_mismatch"] += 1
+                self._drop(key)
+                entry = None
+            if entry is None:
+                self._counts["misses"] += 1
+                return None
+            entry.touch(self._clock)
+            self._counts["hits"] += 1
+            return self._records[key]
+
+    def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
+        return self._lookup(key, token_ids)
+
+    def get_layers(
+        self,
+        key: str,
+        layers: range,
+        token_indices: torch.Tensor | Sequence[int] | None = None,  # [n] int
+        token_ids: Sequence[int] | None = None,
+    ) -> LayerKV | None:
+        record = self._lookup(key, token_ids)
+        if record is None:
+            return None
+        offsets = layer_offsets(record.layers, layers)
+        idx = normalize_indices(token_indices, record.num_tokens)
+        # index_select copies only the requested rows; this is where the ops gather
+        # kernel (pinned host -> device, one launch per layer) slots in.
+        part = slice(offsets.start, offsets.stop)
+        k = record.k[part].index_select(1, idx)
+        v = record.v[part].index_select(1, idx)
+        moved = 2 * len(offsets) * idx.numel() * record.row_bytes
+        with self._lock:
+            self._counts["bytes_read"] += moved
+        return LayerKV(key, layers, idx, k, v, moved)
+
+    def put(self, record: ChunkKV) -> bool:
+        return self.insert(record, write_back=True)
+
+    def insert(self, record: ChunkKV, write_back: bool) -> bool:
+        """``put`` with a choice: ``write_back=False`` for records that came from the
+        sink's tier (a promotion), which need not be written there again on put."""
+        if record.model_digest != self.model_digest:
+            with self._lock:
+                self._errors["foreign_model"] += 1
+                self._counts["rejected_puts"] += 1
+            return False
+        with self._lock:
+            if record.key in self._entries:
+                return True
+            if record.nbytes > self.config.capacity_bytes:
+                self._counts["rejected_puts"] += 1
+                return False
+        own = ChunkKV(
+            key=record.key,
+            model_digest=record.model_digest,
+            token_ids=record.token_ids,
+            k=self._copy(record.k),
+            v=self._copy(record.v),
+            ranking=None if record.ranking is None else record.ranking.to(torch.float32).clone(),
+            layer_start=record.layer_start,
+        )
+        with self._lock:
+            if record.key in self._entries:
+                return True
+            need = self._used + own.nbytes - self.config.capacity_bytes
+            evicted = self._evict_locked(need) if need > 0 else []
+            if self._used + own.nbytes > self.config.capacity_bytes:
+                self._counts["rejected_puts"] += 1
+                ok = False
+            else:
+                self._entries[record.key] = EntryMeta(own.nbytes, next(self._clock), time.time())
+                self._records[record.key] = own
+                self._used += own.nbytes
+                self._counts["puts"] += 1
+                ok = True
+        if ok and write_back and self.config.write_back == "on_put":
+            self._write_back(own)
+        self._notify(evicted)
+        return ok
+
+    def _write_back(self, record: ChunkKV) -> None:
+        if self._writer is not None and self._sink is not None:
+            sink = self._sink
+            self._writer.submit(lambda: sink(record))
+
+    def flush(self) -> None:
+        """Wait until every write-back submitted so far has run (tests, shutdown)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and stop the write-back thread; the store stays readable."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def write_back_stats(self) -> WriteBackStats | None:
+        return None if self._writer is None else self._writer.stats()
+
+    def _drop(self, key: str) -> ChunkKV:
+        entry = self._entries.pop(key)
+        self._used -= entry.nbytes
+        return self._records.pop(key)
+
+    def _evict_locked(self, nbytes: int) -> list[ChunkKV]:
+        out: list[ChunkKV] = []
+        freed = 0
+        for key in eviction_order(self._entries, self.config.policy):
+            if freed >= nbytes:
+                break
+            record = self._drop(key)
+            freed += record.nbytes
+            out.append(record)
+            self._counts["evictions"] += 1
+            self._counts["evicted_bytes"] += record.nbytes
+        return out
+
+    def _notify(self, evicted: list[ChunkKV]) -> None:
+        if self.config.write_back == "on_evict":
+            for rec in evicted:
+                self._write_back(rec)
+        if self._on_evict is None:
+            return
+        for rec in evicted:
+            try:
+                self._on_evict(rec)
+            except Exception:
+                # Demotion is best effort: a failing lower tier must not fail a put.
+                with self._lock:
+                    self._errors["demote_error"] += 1
+
+    def evict(self, nbytes: int) -> EvictResult:
+        with self._lock:
+            evicted = self._evict_locked(nbytes)
+        self._notify(evicted)
+        return EvictResult(tuple(r.key for r in evicted), sum(r.nbytes for r in evicted))
+
+    def lock(self, key: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.locks += 1
+            return True
+
+    def unlock(self, key: str) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.locks > 0:
+                entry.locks -= 1
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            c = self._counts
+            return StoreStats(
+                entries=len(self._entries),
+                bytes_used=self._used,
+                capacity_bytes=self.config.capacity_bytes,
+                hits=c["hits"],
+                misses=c["misses"],
+                puts=c["puts"],
+                rejected_puts=c["rejected_puts"],
+                evictions=c["evictions"],
+                evicted_bytes=c["evicted_bytes"],
+                bytes_read=c["bytes_read"],
+                errors=MappingProxyType(dict(self._errors)),
+            )
+
+
+class WriteBackStats(NamedTuple):
+    submitted: int
+    completed: int
+    failed: int
+    dropped: int
+
+
+@dataclass(frozen=True)
+class WriteBackConfig:
+    """max_pending: jobs queued before ``submit`` starts dropping (never blocking:
+    the caller is on the request's critical path and a cache write may be lost)."""
+
+    max_pending: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+
+
+class WriteBack:
+    """One background thread running jobs (e.g. host-to-disk writes, promotions) off
+    the critical path, from a bounded queue. ``flush`` waits for everything submitted
+    so far; ``close`` flushes and stops the thread."""
+
+    def __init__(self, config: WriteBackConfig, name: str = "sgl-pic-writeback") -> None:
+        self.config = config
+        self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue(config.max_pending)
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], object]) -> bool:
+        """Queue ``job``; False (counted as dropped) when the queue is full or closed."""
+        with self._lock:
+            if self._closed:
+                self._counts["dropped"] += 1
+                return False
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                self._counts["dropped"] += 1
+                return False
+            self._counts["submitted"] += 1
+            return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                job()
+                with self._lock:
+                    self._counts["completed"] += 1
+            except Exception:
+                # A failed write only loses a cache entry; keep serving later jobs.
+                with self._lock:
+                    self._counts["failed"] += 1
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Block until every job submitted before this call has run."""
+        self._queue.join()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    def stats(self) -> WriteBackStats:
+        with self._lock:
+            c = self._counts
+            return WriteBackStats(c["submitted"], c["completed"], c["failed"], c["dropped"])

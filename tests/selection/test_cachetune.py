@@ -1,0 +1,131 @@
+import math
+
+import pytest
+import torch
+
+from sgl_pic.config import PicConfig
+from sgl_pic.layout import PromptLayout
+from sgl_pic.selection import SelectionContext, cachetune_ranking, make_policy
+
+
+def _kv(layers: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V, each # [layers, tokens, 2, 8]."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(layers, tokens, 2, 8, generator=g)
+    return k, torch.randn(layers, tokens, 2, 8, generator=g)
+
+
+def _order(score: torch.Tensor) -> list[int]:
+    return torch.sort(score, descending=True, stable=True).indices.tolist()
+
+
+def test_alpha_one_single_layer_ranks_by_plain_kv_norm() -> None:
+    k, v = _kv(1, 33, seed=0)
+    plain = k[0].flatten(1).norm(dim=1) + v[0].flatten(1).norm(dim=1)
+    assert _order(cachetune_ranking(k, v, 1.0)) == _order(plain)
+
+
+def test_alpha_one_multi_layer_ranks_by_normalised_plain_kv_norm() -> None:
+    k, v = _kv(4, 40, seed=1)
+    k = k * torch.tensor([1.0, 10.0, 0.1, 3.0]).view(4, 1, 1, 1)  # very different scales
+    plain = k.flatten(2).norm(dim=2) + v.flatten(2).norm(dim=2)
+    z = (plain - plain.mean(1, keepdim=True)) / plain.std(1, correction=0, keepdim=True)
+    score = cachetune_ranking(k, v, 1.0)
+    assert _order(score) == _order(z.mean(0))
+    assert torch.allclose(score, z.mean(0), atol=1e-5)
+
+
+def test_low_frequency_signal_dominates_high_frequency_at_small_alpha() -> None:
+    n = 64
+    t = torch.arange(n, dtype=torch.float32)
+    low = 2.0 + torch.cos(2 * math.pi * (t - 40) / n)  # slow bump peaking at token 40
+    high = 4.0 * torch.cos(math.pi * t)  # +-4 alternating: the Nyquist bin
+    k = (low + high).view(1, n, 1, 1)
+    v = torch.zeros(1, n, 1, 1)
+    # By plain magnitude the even tokens win; low-passed, the bump around 40 does.
+    top_plain = set(_order(cachetune_ranking(k, v, 1.0))[:3])
+    top_low = set(_order(cachetune_ranking(k, v, 0.5))[:3])
+    assert all(i % 2 == 0 for i in top_plain)
+    assert top_low == {39, 40, 41}
+
+
+def test_shapes_and_dtype() -> None:
+    k = torch.randn(3, 17, 2, 4, dtype=torch.float16)
+    v = torch.randn(3, 17, 2, 6, dtype=torch.float16)  # head dims may differ
+    score = cachetune_ranking(k, v, 0.5)
+    assert score.shape == (17,)
+    assert score.dtype == torch.float32
+    assert torch.isfinite(score).all()
+
+
+def test_single_token_chunk() -> None:
+    k, v = _kv(2, 1, seed=3)
+    assert cachetune_ranking(k, v, 0.5).tolist() == [0.0]
+
+
+def test_dc_only_spectrum_ranks_nothing() -> None:
+    # Keeping only the DC bin leaves a constant per layer: no information, all zeros.
+    k, v = _kv(2, 50, seed=4)
+    assert torch.equal(cachetune_ranking(k, v, 0.01), torch.zeros(50))
+
+
+@pytest.mark.parametrize(
+    ("k_shape", "v_shape", "alpha", "match"),
+    [
+        ((2, 5, 1, 4), (2, 5, 1, 4), 0.0, "alpha"),
+        ((2, 5, 1, 4), (2, 5, 1, 4), 1.5, "alpha"),
+        ((2, 5, 4), (2, 5, 4), 0.5, "must be"),
+        ((2, 5, 1, 4), (2, 6, 1, 4), 0.5, "disagree"),
+        ((2, 0, 1, 4), (2, 0, 1, 4), 0.5, "at least one"),
+    ],
+)
+def test_bad_inputs_raise(k_shape: tuple, v_shape: tuple, alpha: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        cachetune_ranking(torch.zeros(k_shape), torch.zeros(v_shape), alpha)
+
+
+# [chunk 0-10][fresh 10-12][chunk 12-32]
+LAYOUT = PromptLayout.from_spans(34, [[0, 10], [12, 32]])
+
+
+def _select(rankings: tuple, r: float = 0.15) -> list[int]:
+    policy = make_policy(PicConfig(policy="cachetune", cachetune_r=r))
+    return policy.select(SelectionContext(LAYOUT, rankings=rankings)).indices.tolist()
+
+
+def test_policy_picks_top_r_of_every_chunk() -> None:
+    first = torch.arange(10, dtype=torch.float32)  # best: 9, 8
+    second = torch.zeros(20)
+    second[[3, 17, 5, 11]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    # ceil(0.15 * 10) = 2 and ceil(0.15 * 20) = 3 (not 4 through 3.0000000000000004)
+    assert _select((first, second)) == [8, 9, 12 + 3, 12 + 5, 12 + 17]
+
+
+def test_policy_breaks_ties_by_lower_index() -> None:
+    assert _select((torch.ones(10), torch.ones(20)), r=0.1) == [0, 12, 13]
+
+
+def test_policy_r_one_selects_every_chunk_token() -> None:
+    got = _select((torch.rand(10), torch.rand(20)), r=1.0)
+    assert got == list(range(10)) + list(range(12, 32))
+
+
+@pytest.mark.parametrize(
+    ("rankings", "match"),
+    [
+        (None, "one ranking per chunk"),
+        ((torch.rand(10),), "one ranking per chunk"),
+        ((torch.rand(10), None), "chunk 1 \\[12, 32\\) has no cachetune ranking"),
+        ((torch.rand(10), torch.rand(19)), "has 20 tokens"),
+    ],
+)
+def test_policy_missing_or_wrong_ranking_raises(rankings: tuple | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _select(rankings)
+
+
+def test_policy_uses_cachetune_ranking_end_to_end() -> None:
+    rankings = tuple(cachetune_ranking(*_kv(2, s.length, seed=s.start), 0.5) for s in LAYOUT.chunks)
+    got = _select(rankings)
+    assert len([i for i in got if i < 10]) == 2
+    assert len([i for i in got if 12 <= i < 32]) == 3

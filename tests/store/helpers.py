@@ -1,0 +1,56 @@
+"""Helpers for the store tests: small random records with valid keys."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from sgl_pic.keys import ModelFingerprint
+from sgl_pic.store.base import ChunkKV
+
+MODEL = ModelFingerprint(model_id="test-model", dtype="float32", pre_rope=True).digest()
+OTHER_MODEL = ModelFingerprint(model_id="other-model", dtype="float32", pre_rope=True).digest()
+
+
+def make_record(
+    seed: int = 0,
+    num_layers: int = 3,
+    num_tokens: int = 40,
+    heads: int = 3,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.float32,
+    model: str = MODEL,
+    ranking: bool = True,
+    layer_start: int = 0,
+) -> ChunkKV:
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_layers, num_tokens, heads, head_dim)
+    tokens = torch.randint(0, 50000, (num_tokens,), generator=g).tolist()
+    key = hashlib.sha256(f"rec:{seed}:{num_tokens}:{model}".encode()).hexdigest()
+    return ChunkKV(
+        key=key,
+        model_digest=model,
+        token_ids=tokens,
+        k=torch.randn(shape, generator=g).to(dtype),
+        v=torch.randn(shape, generator=g).to(dtype),
+        ranking=torch.rand(num_tokens, generator=g) if ranking else None,
+        layer_start=layer_start,
+    )
+
+
+def same_record(a: ChunkKV, b: ChunkKV) -> bool:
+    """Bit-exact equality of everything a record holds."""
+    rank_eq = (a.ranking is None and b.ranking is None) or (
+        a.ranking is not None and b.ranking is not None and torch.equal(a.ranking, b.ranking)
+    )
+    return (
+        a.key == b.key
+        and a.model_digest == b.model_digest
+        and a.token_ids == b.token_ids
+        and a.layer_start == b.layer_start
+        and a.k.dtype == b.k.dtype
+        and torch.equal(a.k.contiguous().view(torch.uint8), b.k.contiguous().view(torch.uint8))
+        and torch.equal(a.v.contiguous().view(torch.uint8), b.v.contiguous().view(torch.uint8))
+        and rank_eq
+    )

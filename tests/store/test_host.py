@@ -1,0 +1,191 @@
+import threading
+
+import pytest
+import torch
+
+from sgl_pic.store.host import HostStore, HostStoreConfig, WriteBack, WriteBackConfig
+from tests.store.helpers import MODEL, OTHER_MODEL, make_record, same_record
+
+REC_BYTES = make_record().nbytes
+
+
+def host(n_records: float = 10, **kw) -> HostStore:
+    return HostStore(HostStoreConfig(capacity_bytes=int(n_records * REC_BYTES), **kw), MODEL)
+
+
+def test_round_trip_and_put_copies(record):
+    store = host()
+    original = make_record()
+    assert store.put(record)
+    record.k.add_(1.0)  # the caller reuses its buffer after put
+    got = store.get(original.key, original.token_ids)
+    assert got is not None and same_record(got, original)
+    assert store.contains(original.key) and store.stats().entries == 1
+
+
+def test_get_layers_sparse_copies_and_counts_bytes():
+    rec = make_record(num_layers=4, num_tokens=50, layer_start=1)
+    store = host()
+    store.put(rec)
+    part = store.get_layers(rec.key, range(2, 4), torch.tensor([7, 2, 49]))
+    assert part is not None
+    assert part.token_indices.tolist() == [2, 7, 49]
+    assert torch.equal(part.k, rec.k[1:3, [2, 7, 49]])
+    assert torch.equal(part.v, rec.v[1:3, [2, 7, 49]])
+    assert part.bytes_read == 2 * 2 * 3 * rec.row_bytes
+    part.k.zero_()  # a copy: the store is unchanged
+    assert torch.equal(store.get(rec.key).k, rec.k)
+    assert store.stats().bytes_read == part.bytes_read
+    assert store.get_layers("0" * 64, range(1, 2)) is None
+
+
+def test_miss_token_mismatch_foreign_and_oversized():
+    store = host(n_records=1.5)
+    rec = make_record()
+    assert store.get(rec.key) is None
+    store.put(rec)
+    assert store.get(rec.key, [0] * rec.num_tokens) is None
+    assert not store.contains(rec.key)  # a key with other tokens is dropped
+    assert store.stats().errors["token_mismatch"] == 1
+    assert not store.put(make_record(seed=2, model=OTHER_MODEL))
+    assert not store.put(make_record(seed=3, num_tokens=200))
+    s = store.stats()
+    assert s.rejected_puts == 2 and s.entries == 0 and s.misses == 2
+
+
+def test_lru_evicts_least_recently_used():
+    store = host(n_records=3, policy="lru")
+    a, b, c, d = (make_record(seed=i) for i in range(4))
+    for r in (a, b, c):
+        store.put(r)
+    store.get(a.key)  # b is now the least recently used
+    store.put(d)
+    assert not store.contains(b.key)
+    assert all(store.contains(r.key) for r in (a, c, d))
+
+
+def test_lfu_evicts_least_frequently_used():
+    store = host(n_records=3, policy="lfu")
+    a, b, c, d = (make_record(seed=i) for i in range(4))
+    for r in (a, b, c):
+        store.put(r)
+    for _ in range(3):
+        store.get(a.key)
+        store.get(b.key)
+    store.get(c.key)  # c: most recent but least frequent
+    store.put(d)
+    assert not store.contains(c.key)
+    assert all(store.contains(r.key) for r in (a, b, d))
+    # The same accesses under LRU would have evicted a (least recent of a, b, c).
+    lru = host(n_records=3, policy="lru")
+    for r in (a, b, c):
+        lru.put(r)
+    for _ in range(3):
+        lru.get(a.key)
+        lru.get(b.key)
+    lru.get(c.key)
+    lru.put(d)
+    assert not lru.contains(a.key)
+
+
+def test_locked_entries_are_never_evicted():
+    store = host(n_records=2)
+    a, b, c = (make_record(seed=i) for i in range(3))
+    store.put(a)
+    store.put(b)
+    assert store.lock(a.key) and store.lock(b.key)
+    assert not store.put(c)  # everything is locked: rejected, nothing dropped
+    assert store.contains(a.key) and store.contains(b.key)
+    assert store.evict(10 * REC_BYTES).keys == ()
+    store.unlock(b.key)
+    assert store.put(c)
+    assert store.contains(a.key) and not store.contains(b.key)
+    # Locks nest: one unlock of a twice-locked key keeps it protected.
+    store.lock(a.key)
+    store.unlock(a.key)
+    assert store.evict(10 * REC_BYTES).keys == (c.key,)
+    store.unlock(a.key)
+    assert store.evict(1).keys == (a.key,)
+    assert not store.lock("0" * 64)
+
+
+def test_locked_context_manager():
+    store = host()
+    a = make_record()
+    store.put(a)
+    with store.locked([a.key, "1" * 64]) as held:
+        assert held == (a.key,)
+        assert store.evict(REC_BYTES).keys == ()
+    assert store.evict(REC_BYTES).keys == (a.key,)
+
+
+def test_write_back_on_put_reaches_sink_after_flush():
+    sunk = []
+    store = HostStore(
+        HostStoreConfig(capacity_bytes=10 * REC_BYTES), MODEL, write_back_to=sunk.append
+    )
+    recs = [make_record(seed=i) for i in range(3)]
+    for r in recs:
+        store.put(r)
+    store.put(recs[0])  # already held: no second write-back
+    store.flush()
+    assert [r.key for r in sunk] == [r.key for r in recs]
+    assert all(same_record(a, b) for a, b in zip(sunk, recs, strict=True))
+    store.close()
+
+
+def test_write_back_on_evict_demotes_only_evicted():
+    sunk = []
+    demoted = []
+    store = HostStore(
+        HostStoreConfig(capacity_bytes=2 * REC_BYTES, write_back="on_evict"),
+        MODEL,
+        write_back_to=sunk.append,
+        on_evict=demoted.append,
+    )
+    a, b, c = (make_record(seed=i) for i in range(3))
+    for r in (a, b, c):
+        store.put(r)
+    store.flush()
+    assert [r.key for r in sunk] == [a.key]
+    assert [r.key for r in demoted] == [a.key]
+    store.close()
+
+
+def test_write_back_queue_is_bounded_and_survives_failures():
+    release = threading.Event()
+    started = threading.Event()
+    ran = []
+
+    def slow() -> None:
+        started.set()
+        release.wait(5)
+        ran.append("slow")
+
+    def boom() -> None:
+        raise OSError("disk gone")
+
+    wb = WriteBack(WriteBackConfig(max_pending=2))
+    assert wb.submit(slow)
+    assert started.wait(5)
+    # The worker holds `slow`; two more fit in the queue, the next is dropped.
+    accepted = [wb.submit(boom), wb.submit(lambda: ran.append("after"))]
+    for _ in range(20):
+        if not wb.submit(lambda: ran.append("extra")):
+            break
+    release.set()
+    wb.flush()
+    stats = wb.stats()
+    assert all(accepted) and stats.dropped == 1
+    assert stats.failed == 1 and "after" in ran and ran[0] == "slow"
+    wb.close()
+    assert not wb.submit(lambda: None)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="valid"):
+        HostStoreConfig(capacity_bytes=1, policy="fifo")
+    with pytest.raises(ValueError):
+        HostStoreConfig(capacity_bytes=-1)
+    with pytest.raises(ValueError, match="valid"):
+        HostStoreConfig(capacity_bytes=1, write_back="sometimes")
