@@ -33,10 +33,13 @@ from sgl_pic.fidelity import (  # noqa: E402
     first_token_kl,
     greedy_agreement,
     kv_deviation,
+    recall_at,
+    token_drift,
     top1_agrees,
 )
 from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples  # noqa: E402
+from sgl_pic.rope import rerotate  # noqa: E402
 from sgl_pic.selection import cachetune_ranking, make_policy  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     alpha = base.cachetune_alpha
     all_variants = variants(not args.no_sweep)
     rows: list[dict[str, Any]] = []
+    recalls: list[dict[str, float]] = []
 
     def ranker(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cachetune_ranking(k, v, alpha)
@@ -104,6 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_full = time.perf_counter() - t0
         ref_tokens = oracle.generate(full.kv, full.logits, args.new_tokens)
         chunks = [oracle.encode_chunk(ids[s.start : s.end], ranker=ranker) for s in layout.chunks]
+        recalls.append(_ranking_recall(oracle, ids, layout, full, chunks, base.cachetune_r))
         for var in all_variants:
             policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
             t0 = time.perf_counter()
@@ -151,7 +156,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": platform.machine(),
         "torch": torch.__version__,
         "summary": summarize(rows, all_variants),
+        "cachetune_recall": {key: statistics.fmean(r[key] for r in recalls) for key in recalls[0]},
         "rows": rows,
+    }
+
+
+def _ranking_recall(
+    oracle: Oracle,
+    ids: torch.Tensor,  # [N]
+    layout: Any,
+    full: Any,
+    chunks: list[Any],
+    fraction: float,
+) -> dict[str, float]:
+    """CacheTune E.2 on this prompt: Recall@fraction of the high-drift tokens of the
+    chunks after the first, for the stored ranking, its negation, the first tokens of
+    each chunk, and the random expectation."""
+    pos = torch.arange(ids.numel())
+    zero = torch.zeros_like(pos)
+    full_pre_k = torch.stack([rerotate(k, pos, zero, oracle.w.inv_freq) for k in full.kv.k])
+    later, spans = chunks[1:], layout.chunks[1:]
+    lo, hi = spans[0].start, spans[-1].end
+    drift = token_drift(
+        torch.cat([c.pre_rope_k for c in later], 1),
+        torch.cat([c.kv.v for c in later], 1),
+        full_pre_k[:, lo:hi],
+        full.kv.v[:, lo:hi],
+    )
+    ranking = torch.cat([c.ranking for c in later])
+    first = torch.cat([-torch.arange(s.length, dtype=torch.float32) for s in spans])
+    k = max(1, round(fraction * drift.numel()))
+    return {
+        "ranking": recall_at(drift, ranking, fraction),
+        "negated_ranking": recall_at(drift, -ranking, fraction),
+        "first_tokens_of_chunk": recall_at(drift, first, fraction),
+        "random_expectation": k / drift.numel(),
     }
 
 
@@ -197,6 +236,11 @@ def print_table(result: dict[str, Any]) -> None:
             f"{s['greedy_agreement']:>8.2f}{s['kv_deviation']:>8.4f}{s['f1']:>6.2f}"
             f"{s['time_ratio']:>7.2f}"
         )
+    rec = result["cachetune_recall"]
+    print(
+        "\nCacheTune E.2 Recall@15% of high-drift tokens: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in rec.items())
+    )
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -81,3 +81,35 @@ def answer_f1(prediction: str, answers: Sequence[str]) -> float:
         precision, recall = same / len(pred), same / len(gold)
         best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+def token_drift(
+    independent_k: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim] pre-RoPE
+    independent_v: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
+    full_k: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim] pre-RoPE, full context
+    full_v: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
+) -> torch.Tensor:
+    """# [n] how far each token's independently encoded K/V lie from full-context K/V
+    (CacheTune E.2): per-layer L2 distances of pre-RoPE keys and of values, each
+    divided by that layer's largest distance, summed, averaged over layers."""
+    dk = (independent_k - full_k).flatten(2).to(torch.float64).norm(dim=-1)  # [L, n]
+    dv = (independent_v - full_v).flatten(2).to(torch.float64).norm(dim=-1)
+    eps = torch.finfo(torch.float64).tiny
+    dk = dk / dk.amax(dim=1, keepdim=True).clamp_min(eps)
+    dv = dv / dv.amax(dim=1, keepdim=True).clamp_min(eps)
+    return (dk + dv).mean(dim=0).to(torch.float32)
+
+
+def recall_at(
+    truth: torch.Tensor,  # [n] reference scores (e.g. drift), higher = more important
+    predicted: torch.Tensor,  # [n] a selector's scores
+    fraction: float,
+) -> float:
+    """|top-k(predicted) ∩ top-k(truth)| / k with k = round(fraction * n), at least 1.
+    A random selector's expected recall is k / n."""
+    if truth.shape != predicted.shape or truth.dim() != 1:
+        raise ValueError(f"need two equal 1-D score vectors, got {truth.shape}, {predicted.shape}")
+    k = max(1, round(fraction * truth.numel()))
+    top_true = set(torch.topk(truth, k).indices.tolist())
+    top_pred = set(torch.topk(predicted, k).indices.tolist())
+    return len(top_true & top_pred) / k

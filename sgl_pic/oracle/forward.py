@@ -74,24 +74,28 @@ def attention(
     k_pos: torch.Tensor,  # [N] global positions of the buffer slots
 ) -> torch.Tensor:
     """# [n, H * D]: each query attends to every slot at a position <= its own."""
-    group = w.num_heads // w.num_kv_heads
-    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
-    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    qq = q.transpose(0, 1)  # [H, n, D]
+    n, group = q.shape[0], w.num_heads // w.num_kv_heads
+    # Grouped-query attention without copying K/V per query head: the `group` query
+    # heads sharing one KV head are stacked along the query axis.
+    qq = q.view(n, w.num_kv_heads, group, w.head_dim).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+    kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, N, D]
     out = torch.empty_like(qq)
     # Blocks of queries against only the keys they can see: on the CPU a full [n, N]
     # boolean mask takes SDPA's slow path (about 7x slower at 2k tokens), and the
     # causal cut halves the work. Needs slot positions sorted, as every caller has.
     sorted_keys = k_pos.numel() < 2 or bool((k_pos[1:] >= k_pos[:-1]).all())
-    block = _QUERY_BLOCK if sorted_keys else q.shape[0]
-    for s in range(0, q.shape[0], block):
+    block = _QUERY_BLOCK if sorted_keys else n
+    for s in range(0, n, block):
         qp = q_pos[s : s + block]
         hi = int(torch.searchsorted(k_pos, qp.max(), right=True)) if sorted_keys else k_pos.numel()
-        mask = k_pos[None, :hi] <= qp[:, None]  # [block, hi]
-        out[:, s : s + block] = F.scaled_dot_product_attention(
-            qq[:, s : s + block], kk[:, :hi], vv[:, :hi], attn_mask=mask
+        mask = k_pos[None, :hi] <= qp[:, None]  # [b, hi]
+        b = qp.numel()
+        blk = qq[:, :, s : s + block].reshape(w.num_kv_heads, group * b, w.head_dim)
+        res = F.scaled_dot_product_attention(
+            blk, kk[:, :hi], vv[:, :hi], attn_mask=mask.repeat(group, 1)
         )
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+        out[:, :, s : s + block] = res.view(w.num_kv_heads, group, b, w.head_dim)
+    return out.permute(2, 0, 1, 3).reshape(n, -1)
 
 
 _QUERY_BLOCK = 128

@@ -6,6 +6,7 @@ their KV recomputed. It never touches KV itself; the executor does.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar, NamedTuple
@@ -67,6 +68,14 @@ def as_selection(indices: torch.Tensor | list[int]) -> Selection:
     """Sorted unique int64 indices."""
     t = torch.as_tensor(indices, dtype=torch.int64).flatten()
     return Selection(torch.unique(t))
+
+
+def ceil_fraction(ratio: float, n: int) -> int:
+    """ceil(ratio * n), at least 1 of a non-empty set, without float noise turning
+    0.15 * 20 = 3.0000000000000004 into 4."""
+    if n <= 0:
+        return 0
+    return min(n, max(1, math.ceil(ratio * n - 1e-9)))
 
 
 def finalize(selection: Selection, layout: PromptLayout, prefix_hit: int = 0) -> Selection:

@@ -16,11 +16,9 @@ The budget is ceil(cacheblend_ratio * number of candidates), ties to the lower i
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from sgl_pic.selection.base import Selection, SelectionContext, SelectionPolicy
+from sgl_pic.selection.base import Selection, SelectionContext, SelectionPolicy, ceil_fraction
 from sgl_pic.selection.registry import register_policy
 
 
@@ -46,7 +44,7 @@ class CacheBlend(SelectionPolicy):
             raise ValueError(
                 f"deviation must have shape ({layout.num_tokens},), got {tuple(deviation.shape)}"
             )
-        count = _ceil_fraction(self.config.cacheblend_ratio, candidates.numel())
+        count = ceil_fraction(self.config.cacheblend_ratio, candidates.numel())
         # A stable descending sort of candidates in index order breaks ties by index.
         order = torch.sort(deviation[candidates], descending=True, stable=True).indices
         return Selection(torch.sort(candidates[order[:count]]).values)
@@ -65,11 +63,3 @@ def reused_candidates(ctx: SelectionContext) -> torch.Tensor:
         if start < span.end:
             indices.append(torch.arange(start, span.end, dtype=torch.int64))
     return torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64)
-
-
-def _ceil_fraction(ratio: float, n: int) -> int:
-    """ceil(ratio * n), at least 1 of a non-empty set, without float noise turning
-    0.15 * 20 = 3.0000000000000004 into 4. (Twin of cachetune's; base.py is its home.)"""
-    if n <= 0:
-        return 0
-    return min(n, max(1, math.ceil(ratio * n - 1e-9)))

@@ -30,7 +30,13 @@ import math
 
 import torch
 
-from sgl_pic.selection.base import Selection, SelectionContext, SelectionPolicy, as_selection
+from sgl_pic.selection.base import (
+    Selection,
+    SelectionContext,
+    SelectionPolicy,
+    as_selection,
+    ceil_fraction,
+)
 from sgl_pic.selection.registry import register_policy
 
 
@@ -100,7 +106,7 @@ class CacheTune(SelectionPolicy):
                     f"chunk {i} [{span.start}, {span.end}) has {span.length} tokens but "
                     f"its ranking has shape {tuple(ranking.shape)}"
                 )
-            count = _ceil_fraction(self.config.cachetune_r, span.length)
+            count = ceil_fraction(self.config.cachetune_r, span.length)
             picked.append(top_ranked(ranking.detach().cpu(), count) + span.start)
         return as_selection(torch.cat(picked) if picked else [])
 
@@ -136,11 +142,3 @@ def _standardise(magnitude: torch.Tensor) -> torch.Tensor:
     flat = std <= noise
     z = (magnitude - mean) / torch.where(flat, torch.ones_like(std), std)
     return z.masked_fill(flat, 0.0)
-
-
-def _ceil_fraction(ratio: float, n: int) -> int:
-    """ceil(ratio * n), at least 1 of a non-empty chunk, without float noise turning
-    0.15 * 20 = 3.0000000000000004 into 4."""
-    if n <= 0:
-        return 0
-    return min(n, max(1, math.ceil(ratio * n - 1e-9)))
