@@ -42,7 +42,6 @@ from sgl_pic.store.cost_model import (
     ttft,
 )
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
-from sgl_pic.store.format import file_name
 from sgl_pic.store.host import HostStore, HostStoreConfig
 from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
 from sgl_pic.store.pipeline import PipelineConfig, run_layer_pipeline
@@ -254,7 +253,7 @@ def calibrate(
         host.put(record)
         if not disk.put(record):
             raise OSError(f"could not write the calibration record under {tmp}")
-        path = Path(tmp) / file_name(record.key)[:2] / file_name(record.key)
+        path = disk.path_of(record.key)
         stores: dict[str, tuple[ChunkStore, Callable[[], None] | None]] = {
             "host": (host, None),
             "disk": (disk, lambda: _drop_page_cache(path)),

@@ -19,7 +19,7 @@ from sgl_pic.ops.dispatch import (
     scatter_kv,
     scatter_kv_layer,
 )
-from sgl_pic.ops.reference import Backend, OpResult
+from sgl_pic.ops.kvops import Backend, OpResult
 from sgl_pic.ops.validate import KVBuffer
 
 __all__ = [

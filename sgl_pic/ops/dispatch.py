@@ -13,20 +13,8 @@ import warnings
 import torch
 
 from sgl_pic.ops import cuda, reference
-from sgl_pic.ops.reference import Backend, OpResult
-from sgl_pic.ops.validate import (
-    CopyPlan,
-    KVBuffer,
-    RopePlan,
-    layer_of,
-    layers_of,
-    plan_gather,
-    plan_gather_layer,
-    plan_rope,
-    plan_scatter,
-    plan_scatter_layer,
-)
-from sgl_pic.rope import RopeLayout
+from sgl_pic.ops.kvops import Backend, KVOps, OpResult
+from sgl_pic.ops.validate import CopyPlan, RopePlan
 
 _warned: set[str] = set()
 
@@ -76,119 +64,13 @@ def _rope(plan: RopePlan) -> OpResult:
     return OpResult(backend)
 
 
-def gather_kv(
-    src: torch.Tensor,  # [num_layers, num_src_tokens, num_kv_heads, head_dim]
-    token_ids: torch.Tensor,  # [n] int32/int64, rows of src
-    dst: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[l, slot_ids[i]] = src[l, token_ids[i]] for every layer l.
-
-    Loads a cached chunk's reused tokens into pool slots. ``src`` may be on dst's GPU
-    or in pinned host memory (read by the kernel directly); ``dst`` may be SGLang's list
-    of per-layer pool tensors.
-    """
-    return _copy(plan_gather(src, token_ids, dst, slot_ids))
-
-
-def gather_kv_layer(
-    src: torch.Tensor,  # [num_src_tokens, num_kv_heads, head_dim]
-    token_ids: torch.Tensor,  # [n] int32/int64, rows of src
-    dst: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[slot_ids[i]] = src[token_ids[i]] in one layer (layer-by-layer loading)."""
-    return _copy(plan_gather_layer(src, token_ids, dst, slot_ids))
-
-
-def scatter_kv(
-    rows: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
-    dst: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[l, slot_ids[i]] = rows[l, i] for every layer l: recomputed K or V into slots."""
-    return _copy(plan_scatter(rows, dst, slot_ids))
-
-
-def scatter_kv_layer(
-    rows: torch.Tensor,  # [n, num_kv_heads, head_dim]
-    dst: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[slot_ids[i]] = rows[i] in one layer."""
-    return _copy(plan_scatter_layer(rows, dst, slot_ids))
-
-
-def apply_rope_kv(
-    k: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim], pre-RoPE
-    positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    scale: float = 1.0,
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Deferred RoPE in place: k[l, slot_ids[i]] rotated to positions[i], every layer,
-    as ``sgl_pic.rope.apply_rope`` would. Partial rotary dims raise ValueError."""
-    return _rope(plan_rope(layers_of(k, "k"), positions, None, inv_freq, layout, scale, slot_ids))
-
-
-def apply_rope_kv_layer(
-    k: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], pre-RoPE
-    positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    scale: float = 1.0,
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Deferred RoPE in place in one layer."""
-    return _rope(plan_rope(layer_of(k, "k"), positions, None, inv_freq, layout, scale, slot_ids))
-
-
-_NEW_OLD = ("new_positions", "old_positions")
-
-
-def rerotate_kv(
-    k: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim], post-RoPE
-    old_positions: torch.Tensor,  # [n] int32/int64
-    new_positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Post-RoPE keys moved in place from old to new positions, one rotation by
-    new - old, every layer (``sgl_pic.rope.rerotate``)."""
-    return _rope(
-        plan_rope(
-            layers_of(k, "k"),
-            new_positions,
-            old_positions,
-            inv_freq,
-            layout,
-            1.0,
-            slot_ids,
-            _NEW_OLD,
-        )
-    )
-
-
-def rerotate_kv_layer(
-    k: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], post-RoPE
-    old_positions: torch.Tensor,  # [n] int32/int64
-    new_positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Post-RoPE keys moved in place from old to new positions in one layer."""
-    return _rope(
-        plan_rope(
-            layer_of(k, "k"),
-            new_positions,
-            old_positions,
-            inv_freq,
-            layout,
-            1.0,
-            slot_ids,
-            _NEW_OLD,
-        )
-    )
+# The public ops (``sgl_pic.ops.kvops``) bound to the backend-choosing runners above.
+_OPS = KVOps(_copy, _rope)
+gather_kv = _OPS.gather_kv
+gather_kv_layer = _OPS.gather_kv_layer
+scatter_kv = _OPS.scatter_kv
+scatter_kv_layer = _OPS.scatter_kv_layer
+apply_rope_kv = _OPS.apply_rope_kv
+apply_rope_kv_layer = _OPS.apply_rope_kv_layer
+rerotate_kv = _OPS.rerotate_kv
+rerotate_kv_layer = _OPS.rerotate_kv_layer

@@ -8,32 +8,9 @@ slot is unspecified, here as in the kernels.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
-
-import torch
-
-from sgl_pic.ops.validate import (
-    CopyPlan,
-    KVBuffer,
-    RopePlan,
-    layer_of,
-    layers_of,
-    plan_gather,
-    plan_gather_layer,
-    plan_rope,
-    plan_scatter,
-    plan_scatter_layer,
-)
-from sgl_pic.rope import RopeLayout, apply_rope, rerotate
-
-Backend = Literal["cuda", "reference"]
-
-
-class OpResult(NamedTuple):
-    """What ran an op: the CUDA kernel or this module's torch code."""
-
-    backend: Backend
-
+from sgl_pic.ops.kvops import KVOps, OpResult
+from sgl_pic.ops.validate import CopyPlan, RopePlan
+from sgl_pic.rope import apply_rope, rerotate
 
 REFERENCE = OpResult("reference")
 
@@ -61,105 +38,24 @@ def run_rope(plan: RopePlan) -> None:
             layer.index_copy_(0, plan.row_ids, out)
 
 
-def gather_kv(
-    src: torch.Tensor,  # [num_layers, num_src_tokens, num_kv_heads, head_dim]
-    token_ids: torch.Tensor,  # [n] int32/int64, rows of src
-    dst: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[l, slot_ids[i]] = src[l, token_ids[i]] for every layer l."""
-    run_copy(plan_gather(src, token_ids, dst, slot_ids))
+def _copy(plan: CopyPlan) -> OpResult:
+    run_copy(plan)
     return REFERENCE
 
 
-def gather_kv_layer(
-    src: torch.Tensor,  # [num_src_tokens, num_kv_heads, head_dim]
-    token_ids: torch.Tensor,  # [n] int32/int64, rows of src
-    dst: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[slot_ids[i]] = src[token_ids[i]] in one layer."""
-    run_copy(plan_gather_layer(src, token_ids, dst, slot_ids))
-    return REFERENCE
-
-
-def scatter_kv(
-    rows: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
-    dst: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[l, slot_ids[i]] = rows[l, i] for every layer l."""
-    run_copy(plan_scatter(rows, dst, slot_ids))
-    return REFERENCE
-
-
-def scatter_kv_layer(
-    rows: torch.Tensor,  # [n, num_kv_heads, head_dim]
-    dst: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    slot_ids: torch.Tensor,  # [n] int32/int64, distinct slots of dst
-) -> OpResult:
-    """dst[slot_ids[i]] = rows[i] in one layer."""
-    run_copy(plan_scatter_layer(rows, dst, slot_ids))
-    return REFERENCE
-
-
-def apply_rope_kv(
-    k: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim], pre-RoPE
-    positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    scale: float = 1.0,
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Deferred RoPE in place: k[l, slot_ids[i]] rotated to positions[i], every layer."""
-    run_rope(plan_rope(layers_of(k, "k"), positions, None, inv_freq, layout, scale, slot_ids))
-    return REFERENCE
-
-
-def apply_rope_kv_layer(
-    k: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], pre-RoPE
-    positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    scale: float = 1.0,
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Deferred RoPE in place in one layer."""
-    run_rope(plan_rope(layer_of(k, "k"), positions, None, inv_freq, layout, scale, slot_ids))
-    return REFERENCE
-
-
-_NEW_OLD = ("new_positions", "old_positions")
-
-
-def rerotate_kv(
-    k: KVBuffer,  # [num_layers, num_slots, num_kv_heads, head_dim], post-RoPE
-    old_positions: torch.Tensor,  # [n] int32/int64
-    new_positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Post-RoPE keys moved in place from old to new positions (one rotation by
-    new - old), every layer."""
-    plan = plan_rope(
-        layers_of(k, "k"), new_positions, old_positions, inv_freq, layout, 1.0, slot_ids, _NEW_OLD
-    )
+def _rope(plan: RopePlan) -> OpResult:
     run_rope(plan)
     return REFERENCE
 
 
-def rerotate_kv_layer(
-    k: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], post-RoPE
-    old_positions: torch.Tensor,  # [n] int32/int64
-    new_positions: torch.Tensor,  # [n] int32/int64
-    inv_freq: torch.Tensor,  # [head_dim // 2]
-    layout: RopeLayout = "neox",
-    slot_ids: torch.Tensor | None = None,  # [n] int32/int64, distinct; None: all n = num_slots
-) -> OpResult:
-    """Post-RoPE keys moved in place from old to new positions in one layer."""
-    plan = plan_rope(
-        layer_of(k, "k"), new_positions, old_positions, inv_freq, layout, 1.0, slot_ids, _NEW_OLD
-    )
-    run_rope(plan)
-    return REFERENCE
+# The public ops (``sgl_pic.ops.kvops``) bound to the torch runners above, whatever the
+# tensors' device: the results the CUDA kernels are tested against.
+_OPS = KVOps(_copy, _rope)
+gather_kv = _OPS.gather_kv
+gather_kv_layer = _OPS.gather_kv_layer
+scatter_kv = _OPS.scatter_kv
+scatter_kv_layer = _OPS.scatter_kv_layer
+apply_rope_kv = _OPS.apply_rope_kv
+apply_rope_kv_layer = _OPS.apply_rope_kv_layer
+rerotate_kv = _OPS.rerotate_kv
+rerotate_kv_layer = _OPS.rerotate_kv_layer

@@ -9,27 +9,15 @@ broken) and reported as a miss. A failed write leaves no file and no index entry
 from __future__ import annotations
 
 import errno
-import itertools
-import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import ClassVar
 
 import torch
 
-from sgl_pic.store.base import (
-    ChunkKV,
-    ChunkStore,
-    EvictResult,
-    LayerKV,
-    StoreStats,
-    check_key,
-    register_store,
-)
+from sgl_pic.store.base import ChunkKV, EvictResult, LayerKV, check_key, register_store
 from sgl_pic.store.errors import (
     BadMagicError,
     CorruptRecordError,
@@ -40,7 +28,7 @@ from sgl_pic.store.errors import (
     TruncatedRecordError,
     UnsupportedFormatError,
 )
-from sgl_pic.store.eviction import EntryMeta, check_policy, eviction_order
+from sgl_pic.store.eviction import BoundedStore, check_policy
 from sgl_pic.store.format import (
     SUFFIX,
     TMP_PREFIX,
@@ -93,25 +81,20 @@ class DiskStoreConfig:
 
 
 @register_store
-class DiskStore(ChunkStore):
+class DiskStore(BoundedStore):
     """Chunk files on a local disk. ``get`` and ``get_layers`` return fresh copies read
     through mmap and verified against the file's checksums."""
 
     name: ClassVar[str] = "disk"
 
     def __init__(self, config: DiskStoreConfig, model_digest: str) -> None:
+        super().__init__(model_digest, config.capacity_bytes, config.policy)
         self.config = config
-        self.model_digest = check_key(model_digest)
         self.root = Path(config.root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._entries: dict[str, EntryMeta] = {}
-        self._clock = itertools.count()
-        self._used = 0
-        self._reserved = 0
-        self._pending: set[str] = set()
-        self._counts: Counter[str] = Counter()
-        self._errors: Counter[str] = Counter()
+        # Keys being written -> their file size, reserved against the capacity until the
+        # write ends (their sum is the reservation).
+        self._pending: dict[str, int] = {}
         self._rebuild_index()
 
     def path_of(self, key: str) -> Path:
@@ -145,10 +128,9 @@ class DiskStore(ChunkStore):
                 found.append((st.st_mtime, header.key, st.st_size))
         # Oldest files first, so recency order survives a restart approximately.
         for mtime, key, size in sorted(found):
-            self._entries[key] = EntryMeta(size, next(self._clock), mtime)
-            self._used += size
-        if self._used > self.config.capacity_bytes:
-            self._delete_files(self._evict_locked(self._used - self.config.capacity_bytes))
+            self._add_locked(key, size, mtime)
+        if self._used > self._capacity:
+            self._delete_files(self._evict_locked(self._used - self._capacity))
 
     def _remove_stale_tmp(self, path: Path, now: float) -> None:
         try:
@@ -158,37 +140,28 @@ class DiskStore(ChunkStore):
         except OSError:
             pass
 
-    def _count_bad(self, exc: StoreError, path: Path | None) -> None:
+    def _count_bad(self, exc: StoreError, path: Path) -> None:
         kind, delete = next(
             (v for cls, v in _BAD_FILE.items() if isinstance(exc, cls)), ("corrupt", True)
         )
         self._errors[kind] += 1
-        if delete and path is not None:
+        if delete:
             try:
                 path.unlink(missing_ok=True)
             except OSError:
                 self._errors["unlink_error"] += 1
 
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
     def _begin_read(self, key: str) -> Path | None:
         check_key(key)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                self._counts["misses"] += 1
+            if not self._access_locked(key):
                 return None
-            entry.touch(self._clock)
         return self.path_of(key)
 
     def _fail_read(self, key: str, path: Path, exc: Exception) -> None:
         """Turn a failed read into a miss: count it, forget the entry, maybe delete."""
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._used -= entry.nbytes
+            self._forget_locked(key)
             self._counts["misses"] += 1
             if isinstance(exc, FileNotFoundError):
                 self._errors["vanished"] += 1
@@ -243,10 +216,7 @@ class DiskStore(ChunkStore):
         return LayerKV(key, layers, idx, k, v, moved)
 
     def put(self, record: ChunkKV) -> bool:
-        if record.model_digest != self.model_digest:
-            with self._lock:
-                self._errors["foreign_model"] += 1
-                self._counts["rejected_puts"] += 1
+        if not self._accepts_model(record):
             return False
         with self._lock:
             if record.key in self._entries or record.key in self._pending:
@@ -255,14 +225,9 @@ class DiskStore(ChunkStore):
         with self._lock:
             if record.key in self._entries or record.key in self._pending:
                 return True
-            need = self._used + self._reserved + enc.size - self.config.capacity_bytes
-            evicted = self._evict_locked(need) if need > 0 else []
-            fits = self._used + self._reserved + enc.size <= self.config.capacity_bytes
+            evicted, fits = self._make_room_locked(sum(self._pending.values()) + enc.size)
             if fits:
-                self._reserved += enc.size
-                self._pending.add(record.key)
-            else:
-                self._counts["rejected_puts"] += 1
+                self._pending[record.key] = enc.size
         self._delete_files(evicted)
         if not fits:
             return False
@@ -275,31 +240,15 @@ class DiskStore(ChunkStore):
             # write_record removed its temp file; the record simply is not persisted.
             err = exc
         with self._lock:
-            self._reserved -= enc.size
-            self._pending.discard(record.key)
+            del self._pending[record.key]
             if err is None:
-                self._entries[record.key] = EntryMeta(enc.size, next(self._clock), time.time())
-                self._used += enc.size
+                self._add_locked(record.key, enc.size)
                 self._counts["puts"] += 1
             else:
                 self._errors["write_error"] += 1
                 if err.errno == errno.ENOSPC:
                     self._errors["enospc"] += 1
         return err is None
-
-    def _evict_locked(self, nbytes: int) -> list[tuple[str, int]]:
-        out: list[tuple[str, int]] = []
-        freed = 0
-        for key in eviction_order(self._entries, self.config.policy):
-            if freed >= nbytes:
-                break
-            entry = self._entries.pop(key)
-            self._used -= entry.nbytes
-            freed += entry.nbytes
-            out.append((key, entry.nbytes))
-            self._counts["evictions"] += 1
-            self._counts["evicted_bytes"] += entry.nbytes
-        return out
 
     def _delete_files(self, evicted: list[tuple[str, int]]) -> None:
         # Unlinking is safe under open readers: their mmap keeps the inode alive.
@@ -315,34 +264,3 @@ class DiskStore(ChunkStore):
             evicted = self._evict_locked(nbytes)
         self._delete_files(evicted)
         return EvictResult(tuple(k for k, _ in evicted), sum(n for _, n in evicted))
-
-    def lock(self, key: str) -> bool:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return False
-            entry.locks += 1
-            return True
-
-    def unlock(self, key: str) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.locks > 0:
-                entry.locks -= 1
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            c = self._counts
-            return StoreStats(
-                entries=len(self._entries),
-                bytes_used=self._used,
-                capacity_bytes=self.config.capacity_bytes,
-                hits=c["hits"],
-                misses=c["misses"],
-                puts=c["puts"],
-                rejected_puts=c["rejected_puts"],
-                evictions=c["evictions"],
-                evicted_bytes=c["evicted_bytes"],
-                bytes_read=c["bytes_read"],
-                errors=MappingProxyType(dict(self._errors)),
-            )

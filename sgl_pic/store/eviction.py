@@ -1,4 +1,5 @@
-"""Per-entry access metadata and the eviction order shared by the host and disk tiers.
+"""Entry bookkeeping shared by the host and disk tiers: per-entry access metadata, the
+eviction order, and the byte-capacity, lock and counter logic built on them.
 
 DARIC (3.3.2) keeps a timestamp and an access count on every cached segment for
 eviction; LRU orders by the first, LFU by the second with recency breaking ties.
@@ -7,9 +8,14 @@ eviction; LRU orders by the first, LFU by the second with recency breaking ties.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+
+from sgl_pic.store.base import ChunkKV, ChunkStore, StoreStats, check_key
 
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
 
@@ -50,3 +56,118 @@ def eviction_order(entries: Mapping[str, EntryMeta], policy: str) -> list[str]:
     else:
         unlocked.sort(key=lambda ke: ke[1].last_access)
     return [k for k, _ in unlocked]
+
+
+class BoundedStore(ChunkStore):
+    """The bookkeeping the host and disk tiers share: per-entry metadata, the bytes held
+    against a capacity, eviction in policy order, locks and counters.
+
+    ``_lock`` guards all of it; methods ending in ``_locked`` expect the caller to hold
+    it, so a tier can make a compound step (check, make room, insert) atomic. A tier
+    keeps its payload (records, files) itself and drops it for the keys these methods
+    report evicted or forgotten.
+    """
+
+    def __init__(self, model_digest: str, capacity_bytes: int, policy: str) -> None:
+        self.model_digest = check_key(model_digest)
+        self._capacity = capacity_bytes
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._entries: dict[str, EntryMeta] = {}
+        self._clock = itertools.count()
+        self._used = 0  # sum of the entries' nbytes, kept so puts need not re-add them
+        self._counts: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def lock(self, key: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.locks += 1
+            return True
+
+    def unlock(self, key: str) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.locks > 0:
+                entry.locks -= 1
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            c = self._counts
+            return StoreStats(
+                entries=len(self._entries),
+                bytes_used=self._used,
+                capacity_bytes=self._capacity,
+                hits=c["hits"],
+                misses=c["misses"],
+                puts=c["puts"],
+                rejected_puts=c["rejected_puts"],
+                evictions=c["evictions"],
+                evicted_bytes=c["evicted_bytes"],
+                bytes_read=c["bytes_read"],
+                errors=MappingProxyType(dict(self._errors)),
+            )
+
+    def _accepts_model(self, record: ChunkKV) -> bool:
+        """False (counted as a foreign, rejected put) for another model's record."""
+        if record.model_digest == self.model_digest:
+            return True
+        with self._lock:
+            self._errors["foreign_model"] += 1
+            self._counts["rejected_puts"] += 1
+        return False
+
+    def _access_locked(self, key: str) -> bool:
+        """Refresh ``key``'s access time and count; False, counted as a miss, when the
+        key is not held."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self._counts["misses"] += 1
+            return False
+        entry.touch(self._clock)
+        return True
+
+    def _add_locked(self, key: str, nbytes: int, last_access_time: float | None = None) -> None:
+        """Index a new entry as the most recently used (its wall time defaults to now)."""
+        when = time.time() if last_access_time is None else last_access_time
+        self._entries[key] = EntryMeta(nbytes, next(self._clock), when)
+        self._used += nbytes
+
+    def _forget_locked(self, key: str) -> EntryMeta | None:
+        """Drop ``key``'s entry (not counted as an eviction); None when not held."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._used -= entry.nbytes
+        return entry
+
+    def _evict_locked(self, nbytes: int) -> list[tuple[str, int]]:
+        """Drop unlocked entries in policy order until ``nbytes`` are freed or none are
+        left; (key, nbytes) of each, in eviction order."""
+        out: list[tuple[str, int]] = []
+        freed = 0
+        for key in eviction_order(self._entries, self._policy):
+            if freed >= nbytes:
+                break
+            entry = self._entries.pop(key)
+            self._used -= entry.nbytes
+            freed += entry.nbytes
+            out.append((key, entry.nbytes))
+            self._counts["evictions"] += 1
+            self._counts["evicted_bytes"] += entry.nbytes
+        return out
+
+    def _make_room_locked(self, incoming: int) -> tuple[list[tuple[str, int]], bool]:
+        """Evict until ``incoming`` more bytes fit; (evicted, whether they fit). A put that
+        does not fit is counted as rejected."""
+        need = self._used + incoming - self._capacity
+        evicted = self._evict_locked(need) if need > 0 else []
+        fits = self._used + incoming <= self._capacity
+        if not fits:
+            self._counts["rejected_puts"] += 1
+        return evicted, fits

@@ -3,30 +3,24 @@ locking, pinned buffers when CUDA is present, and a background write-back queue.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import ClassVar, NamedTuple
 
 import torch
 
 from sgl_pic.store.base import (
     ChunkKV,
-    ChunkStore,
     EvictResult,
     LayerKV,
-    StoreStats,
-    check_key,
     layer_offsets,
     normalize_indices,
     register_store,
 )
-from sgl_pic.store.eviction import EntryMeta, check_policy, eviction_order
+from sgl_pic.store.eviction import BoundedStore, check_policy
 
 WRITE_BACK_MODES: tuple[str, ...] = ("on_put", "on_evict")
 
@@ -63,7 +57,7 @@ class HostStoreConfig:
 
 
 @register_store
-class HostStore(ChunkStore):
+class HostStore(BoundedStore):
     """Records in host memory. ``get`` returns the stored record itself (no copy):
     read-only by contract.
 
@@ -82,8 +76,8 @@ class HostStore(ChunkStore):
         write_back_to: Callable[[ChunkKV], object] | None = None,
         on_evict: Callable[[ChunkKV], None] | None = None,
     ) -> None:
+        super().__init__(model_digest, config.capacity_bytes, config.policy)
         self.config = config
-        self.model_digest = check_key(model_digest)
         self._on_evict = on_evict
         self._sink = write_back_to
         self._writer = (
@@ -92,13 +86,7 @@ class HostStore(ChunkStore):
             else WriteBack(WriteBackConfig(config.write_back_queue), "sgl-pic-host-writeback")
         )
         self._pin = config.pin_memory and torch.cuda.is_available()
-        self._lock = threading.Lock()
-        self._entries: dict[str, EntryMeta] = {}
-        self._records: dict[str, ChunkKV] = {}
-        self._clock = itertools.count()
-        self._used = 0
-        self._counts: Counter[str] = Counter()
-        self._errors: Counter[str] = Counter()
+        self._records: dict[str, ChunkKV] = {}  # same keys as the index's entries
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         # The store owns its bytes: a caller reusing its buffer cannot change a record.
@@ -106,31 +94,22 @@ class HostStore(ChunkStore):
         out.copy_(t)
         return out
 
-    def contains(self, key: str) -> bool:
+    def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
         with self._lock:
-            return key in self._entries
-
-    def _lookup(self, key: str, token_ids: Sequence[int] | None) -> ChunkKV | None:
-        with self._lock:
-            entry = self._entries.get(key)
+            record = self._records.get(key)
             if (
-                entry is not None
+                record is not None
                 and token_ids is not None
-                and tuple(int(t) for t in token_ids) != self._records[key].token_ids
+                and tuple(int(t) for t in token_ids) != record.token_ids
             ):
                 # Same key, other tokens: the key cannot be trusted; drop it.
                 self._errors["token_mismatch"] += 1
-                self._drop(key)
-                entry = None
-            if entry is None:
-                self._counts["misses"] += 1
+                self._forget_locked(key)
+                del self._records[key]
+            if not self._access_locked(key):
                 return None
-            entry.touch(self._clock)
             self._counts["hits"] += 1
             return self._records[key]
-
-    def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
-        return self._lookup(key, token_ids)
 
     def get_layers(
         self,
@@ -139,7 +118,7 @@ class HostStore(ChunkStore):
         token_indices: torch.Tensor | Sequence[int] | None = None,  # [n] int
         token_ids: Sequence[int] | None = None,
     ) -> LayerKV | None:
-        record = self._lookup(key, token_ids)
+        record = self.get(key, token_ids)
         if record is None:
             return None
         offsets = layer_offsets(record.layers, layers)
@@ -160,15 +139,12 @@ class HostStore(ChunkStore):
     def insert(self, record: ChunkKV, write_back: bool) -> bool:
         """``put`` with a choice: ``write_back=False`` for records that came from the
         sink's tier (a promotion), which need not be written there again on put."""
-        if record.model_digest != self.model_digest:
-            with self._lock:
-                self._errors["foreign_model"] += 1
-                self._counts["rejected_puts"] += 1
+        if not self._accepts_model(record):
             return False
         with self._lock:
             if record.key in self._entries:
                 return True
-            if record.nbytes > self.config.capacity_bytes:
+            if record.nbytes > self._capacity:
                 self._counts["rejected_puts"] += 1
                 return False
         own = ChunkKV(
@@ -183,20 +159,15 @@ class HostStore(ChunkStore):
         with self._lock:
             if record.key in self._entries:
                 return True
-            need = self._used + own.nbytes - self.config.capacity_bytes
-            evicted = self._evict_locked(need) if need > 0 else []
-            if self._used + own.nbytes > self.config.capacity_bytes:
-                self._counts["rejected_puts"] += 1
-                ok = False
-            else:
-                self._entries[record.key] = EntryMeta(own.nbytes, next(self._clock), time.time())
+            evicted, ok = self._make_room_locked(own.nbytes)
+            dropped = self._pop_records_locked(evicted)
+            if ok:
+                self._add_locked(record.key, own.nbytes)
                 self._records[record.key] = own
-                self._used += own.nbytes
                 self._counts["puts"] += 1
-                ok = True
         if ok and write_back and self.config.write_back == "on_put":
             self._write_back(own)
-        self._notify(evicted)
+        self._notify(dropped)
         return ok
 
     def _write_back(self, record: ChunkKV) -> None:
@@ -217,23 +188,8 @@ class HostStore(ChunkStore):
     def write_back_stats(self) -> WriteBackStats | None:
         return None if self._writer is None else self._writer.stats()
 
-    def _drop(self, key: str) -> ChunkKV:
-        entry = self._entries.pop(key)
-        self._used -= entry.nbytes
-        return self._records.pop(key)
-
-    def _evict_locked(self, nbytes: int) -> list[ChunkKV]:
-        out: list[ChunkKV] = []
-        freed = 0
-        for key in eviction_order(self._entries, self.config.policy):
-            if freed >= nbytes:
-                break
-            record = self._drop(key)
-            freed += record.nbytes
-            out.append(record)
-            self._counts["evictions"] += 1
-            self._counts["evicted_bytes"] += record.nbytes
-        return out
+    def _pop_records_locked(self, evicted: list[tuple[str, int]]) -> list[ChunkKV]:
+        return [self._records.pop(key) for key, _ in evicted]
 
     def _notify(self, evicted: list[ChunkKV]) -> None:
         if self.config.write_back == "on_evict":
@@ -252,39 +208,9 @@ class HostStore(ChunkStore):
     def evict(self, nbytes: int) -> EvictResult:
         with self._lock:
             evicted = self._evict_locked(nbytes)
-        self._notify(evicted)
-        return EvictResult(tuple(r.key for r in evicted), sum(r.nbytes for r in evicted))
-
-    def lock(self, key: str) -> bool:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return False
-            entry.locks += 1
-            return True
-
-    def unlock(self, key: str) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.locks > 0:
-                entry.locks -= 1
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            c = self._counts
-            return StoreStats(
-                entries=len(self._entries),
-                bytes_used=self._used,
-                capacity_bytes=self.config.capacity_bytes,
-                hits=c["hits"],
-                misses=c["misses"],
-                puts=c["puts"],
-                rejected_puts=c["rejected_puts"],
-                evictions=c["evictions"],
-                evicted_bytes=c["evicted_bytes"],
-                bytes_read=c["bytes_read"],
-                errors=MappingProxyType(dict(self._errors)),
-            )
+            dropped = self._pop_records_locked(evicted)
+        self._notify(dropped)
+        return EvictResult(tuple(k for k, _ in evicted), sum(n for _, n in evicted))
 
 
 class WriteBackStats(NamedTuple):

@@ -165,44 +165,38 @@ def _run_threaded(
         if abort.is_set():
             raise _Aborted
 
+    def guarded(path: Callable[[], None]) -> Callable[[], None]:
+        # The first failure of any path is kept and aborts the others, which then stop
+        # at their next handoff instead of waiting out the timeout.
+        def run() -> None:
+            try:
+                path()
+            except _Aborted:
+                pass
+            except BaseException as exc:
+                errors.append(exc)
+                abort.set()
+
+        return run
+
     def transfer() -> None:
-        try:
-            for layer in range(num_layers):
-                if layer - cfg.prefetch_depth >= 0:
-                    wait(started[layer - cfg.prefetch_depth])
-                slots_x[layer] = rec.run("load", layer, lambda layer=layer: load(layer))
-                loaded[layer].set()
-        except _Aborted:
-            pass
-        except BaseException as exc:
-            errors.append(exc)
-            abort.set()
+        for layer in range(num_layers):
+            if layer - cfg.prefetch_depth >= 0:
+                wait(started[layer - cfg.prefetch_depth])
+            slots_x[layer] = rec.run("load", layer, lambda layer=layer: load(layer))
+            loaded[layer].set()
 
     def recompute() -> None:
-        try:
-            for layer in range(num_layers):
-                wait(loaded[layer])
-                if cfg.prepare_needs_previous_output and layer > 0:
-                    wait(computed[layer - 1])
-                x = slots_x.pop(layer)
-                slots_y[layer] = rec.run(
-                    "prepare", layer, lambda layer=layer, x=x: prepare(layer, x)
-                )
-                del x
-                prepared[layer].set()
-        except _Aborted:
-            pass
-        except BaseException as exc:
-            errors.append(exc)
-            abort.set()
+        for layer in range(num_layers):
+            wait(loaded[layer])
+            if cfg.prepare_needs_previous_output and layer > 0:
+                wait(computed[layer - 1])
+            x = slots_x.pop(layer)
+            slots_y[layer] = rec.run("prepare", layer, lambda layer=layer, x=x: prepare(layer, x))
+            del x
+            prepared[layer].set()
 
-    workers = [
-        threading.Thread(target=transfer, name="pipeline-transfer", daemon=True),
-        threading.Thread(target=recompute, name="pipeline-recompute", daemon=True),
-    ]
-    for w in workers:
-        w.start()
-    try:
+    def forward() -> None:
         for layer in range(num_layers):
             wait(prepared[layer])
             started[layer].set()
@@ -210,11 +204,15 @@ def _run_threaded(
             rec.run("compute", layer, lambda layer=layer, y=y: compute(layer, y))
             del y
             computed[layer].set()
-    except _Aborted:
-        pass
-    except BaseException as exc:
-        errors.append(exc)
-        abort.set()
+
+    workers = [
+        threading.Thread(target=guarded(transfer), name="pipeline-transfer", daemon=True),
+        threading.Thread(target=guarded(recompute), name="pipeline-recompute", daemon=True),
+    ]
+    for w in workers:
+        w.start()
+    try:
+        guarded(forward)()
     finally:
         for w in workers:
             w.join()

@@ -68,3 +68,16 @@ def test_rope_ops_share_reference_signature(op) -> None:
     import inspect
 
     assert inspect.signature(op) == inspect.signature(getattr(reference, op.__name__))
+
+
+def test_errors_name_the_arguments_as_written(rand_kv) -> None:
+    k = rand_kv(2, 10, 3, 64, dtype=torch.float32)
+    inv_freq = default_inv_freq(64, 10000.0)
+    ok, short = torch.arange(10), torch.arange(9)
+    for module in (ops, reference):
+        with pytest.raises(ValueError, match="new_positions"):
+            module.rerotate_kv(k, ok, short, inv_freq)
+        with pytest.raises(ValueError, match="old_positions"):
+            module.rerotate_kv_layer(k[0], short, ok, inv_freq)
+        with pytest.raises(ValueError, match="^positions"):
+            module.apply_rope_kv(k, short, inv_freq)

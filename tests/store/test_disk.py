@@ -241,3 +241,22 @@ def test_a_file_under_the_wrong_name_is_not_served(tmp_path):
     assert store.get(b.key) is None
     assert store.stats().errors["corrupt"] == 1
     assert same_record(store.get(a.key), a)
+
+
+def test_locks_nest_and_evict_reports_keys_and_bytes(tmp_path):
+    a, b = make_record(seed=1), make_record(seed=2)
+    store = disk(tmp_path)
+    store.put(a)
+    store.put(b)
+    size = store.path_of(b.key).stat().st_size
+    assert store.lock(a.key) and store.lock(a.key)
+    store.unlock(a.key)
+    store.unlock("0" * 64)  # not held: a no-op
+    res = store.evict(10 * FILE_BYTES)
+    assert res.keys == (b.key,) and res.freed_bytes == size
+    assert not store.path_of(b.key).exists()
+    store.unlock(a.key)
+    assert store.evict(1).keys == (a.key,)
+    s = store.stats()
+    assert (s.entries, s.bytes_used, s.evictions, s.evicted_bytes) == (0, 0, 2, 2 * size)
+    assert not store.lock(a.key) and files(tmp_path) == []
