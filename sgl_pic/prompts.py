@@ -58,6 +58,15 @@ def load_rag_examples(path: str | Path) -> list[RagExample]:
     return out
 
 
+def truncate_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """``text`` cut to its first ``max_tokens`` tokens (unchanged if shorter or if
+    ``max_tokens`` <= 0): the benchmarks' knob for prompt length at a fixed chunk count."""
+    if max_tokens <= 0:
+        return text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+
+
 def build_prompt(
     tokenizer: Any,
     passages: Sequence[str],

@@ -1,0 +1,1 @@
+"""SGLang integration: the only package of sgl_pic that imports SGLang internals."""

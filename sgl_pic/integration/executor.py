@@ -1,0 +1,317 @@
+"""Two-phase chunk execution inside SGLang's model forward.
+
+An AROUND hook on the model's forward (``LlamaModel.forward``) sees each extend batch. When
+a request in it carries chunk marks, the batch's forward becomes two passes of SGLang's own
+layers over the same KV pool:
+
+phase 1: chunks missing from the store run as sub-requests from position 0, each over its
+         own slots of the request, so their KV is the independent chunk KV; it is copied
+         into the store, then its keys are re-rotated in place to the chunk's position.
+         Store hits are copied into their slots re-rotated the same way.
+phase 2: the selected tokens (policy, plus fresh and last tokens, minus the device prefix)
+         of every chunked request, and all new tokens of plain requests, run in one
+         forward; each query attends causally by global position to the assembled KV, and
+         its K/V overwrite the reused ones in place.
+
+The rows of tokens not recomputed are zero in the returned hidden states; SGLang's logits
+processor reads only each request's last row, which is always recomputed. Requests asking
+for input-token logprobs are therefore run as plain requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration.attention import GROUPS_ATTR, AttnGroup
+from sgl_pic.integration.chunk_store import ChunkKVStore
+from sgl_pic.integration.kv_access import KVAccess, single_thread
+from sgl_pic.integration.metrics import PicMetrics, RequestStats
+from sgl_pic.integration.spans import PicRequest
+from sgl_pic.selection import SelectionContext, finalize, make_policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A chunked request registered by the scheduler before its extend forward."""
+
+    request: PicRequest
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class _Plan:
+    """One chunked request of the batch."""
+
+    row_offset: int  # first row of its extend tokens in the batch
+    prefix: int  # device prefix length P
+    slots: torch.Tensor  # [L] KV slots of the whole prompt
+    pending: Pending
+    config: PicConfig
+    selected: torch.Tensor | None = None  # [k] positions that must be recomputed
+    stats: RequestStats | None = None
+    rankings: list[torch.Tensor | None] = field(default_factory=list)  # per chunk
+    hit_spans: list[tuple[int, int]] = field(default_factory=list)  # chunks from the store
+    misses: list[tuple[int, int]] = field(default_factory=list)  # chunks for phase 1
+
+
+class ChunkExecutor:
+    def __init__(
+        self, settings_config: PicConfig, store: ChunkKVStore, kv: KVAccess, metrics: PicMetrics
+    ) -> None:
+        self.config = settings_config
+        self.store = store
+        self.kv = kv
+        self.metrics = metrics
+        self.pending: dict[int, Pending] = {}
+
+    # ----------------------------------------------------------------- entry point
+    def forward(
+        self,
+        run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        input_ids: torch.Tensor,  # [n] extend tokens of the batch
+        positions: torch.Tensor,  # [n]
+        forward_batch: Any,
+        req_to_token: torch.Tensor,  # [max_reqs, max_len] slots of each request
+    ) -> torch.Tensor | None:
+        """The batch's hidden states # [n, hidden], or None to let SGLang run it as is.
+
+        ``run(ids, pos)`` is SGLang's model forward over the batch as currently described
+        by ``forward_batch`` (out_cache_loc and attention groups set by the caller here)."""
+        pool_idx = forward_batch.req_pool_indices.tolist()
+        if not any(i in self.pending for i in pool_idx):
+            return None
+        prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
+        ext_lens = list(forward_batch.extend_seq_lens_cpu)
+        plans: dict[int, _Plan] = {}
+        row = 0
+        for b, idx in enumerate(pool_idx):
+            pending = self.pending.pop(idx, None)
+            total = prefix_lens[b] + ext_lens[b]
+            if pending is not None:
+                if total != len(pending.token_ids) or _wants_input_logprobs(forward_batch, b):
+                    # A chunked-prefill piece, or logprobs of input tokens (rows this path
+                    # leaves zero): run it as SGLang would.
+                    logger.warning("sgl_pic: request in pool slot %d runs without reuse", idx)
+                    self.metrics.fallbacks.inc()
+                else:
+                    plans[b] = _Plan(
+                        row,
+                        prefix_lens[b],
+                        req_to_token[idx, :total].to(torch.int64),
+                        pending,
+                        pending.request.config(self.config),
+                    )
+            row += ext_lens[b]
+        if not plans:
+            return None
+
+        t0 = time.perf_counter()
+        with single_thread():
+            self._assemble(plans)
+        self._phase1(run, forward_batch, plans)
+        t1 = time.perf_counter()
+        hidden = self._phase2(
+            run, input_ids, positions, forward_batch, req_to_token, pool_idx, plans
+        )
+        t2 = time.perf_counter()
+        logger.info(
+            "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
+            "select+phase 2 %.3f s, recomputed %s",
+            len(plans),
+            t1 - t0,
+            t2 - t1,
+            [p.stats.recomputed_tokens for p in plans.values() if p.stats is not None],
+        )
+        for plan in plans.values():
+            assert plan.stats is not None
+            self.metrics.record(plan.stats)
+        return hidden
+
+    # ----------------------------------------------------------------- phase 1
+    def _assemble(self, plans: dict[int, _Plan]) -> None:
+        """Looks every chunk up; copies hits into their slots, re-rotated; notes misses."""
+        for plan in plans.values():
+            toks = plan.pending.token_ids
+            chunks = plan.pending.request.layout.chunks
+            device = contiguous = disjoint = reused = 0
+            forced: list[torch.Tensor] = []
+            rankings = plan.rankings
+            seen_miss = False
+            for span in chunks:
+                if span.end <= plan.prefix:
+                    device += 1
+                    # Never recomputed (finalize drops the device prefix), so its ranking
+                    # cannot matter; a flat one keeps ranking policies total.
+                    rankings.append(torch.zeros(span.length))
+                    continue
+                if span.start < plan.prefix:
+                    # Part of the chunk is exact device prefix, part is new: the new part has
+                    # no independent KV to borrow (its slots' neighbours are shared), so it
+                    # is recomputed whatever the policy says.
+                    forced.append(torch.arange(plan.prefix, span.end))
+                    seen_miss = True
+                    rankings.append(torch.zeros(span.length))
+                    continue
+                hit = self.store.get(toks[span.start : span.end])
+                if hit is None:
+                    plan.misses.append((span.start, span.end))
+                    seen_miss = True
+                    rankings.append(None)
+                    continue
+                self.kv.write_rotated(plan.slots[span.start : span.end], hit.kv, span.start)
+                rankings.append(hit.ranking)
+                plan.hit_spans.append((span.start, span.end))
+                reused += span.length
+                if seen_miss:
+                    disjoint += 1
+                else:
+                    contiguous += 1
+            plan.stats = RequestStats(
+                chunks=len(chunks),
+                device_prefix_chunks=device,
+                contiguous_hits=contiguous,
+                disjoint_hits=disjoint,
+                misses=0,
+                reused_tokens=reused,
+                recomputed_tokens=0,
+                new_tokens=len(toks) - plan.prefix,
+                selection_seconds=0.0,
+            )
+            plan.selected = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64)
+
+    def _phase1(self, run: Callable[..., torch.Tensor], fb: Any, plans: dict[int, _Plan]) -> None:
+        """Computes the independent KV of missing chunks, stores it, re-rotates it in place."""
+        misses = [(plan, s, e) for plan in plans.values() for s, e in plan.misses]
+        if misses:
+            ids, pos, locs, groups, row = [], [], [], [], 0
+            for plan, start, end in misses:
+                n = end - start
+                ids.append(torch.tensor(plan.pending.token_ids[start:end], dtype=torch.int64))
+                pos.append(torch.arange(n))
+                slots = plan.slots[start:end]
+                locs.append(slots)
+                groups.append(AttnGroup(row, row + n, slots, torch.arange(n)))
+                row += n
+            self._run_phase(run, fb, torch.cat(ids), torch.cat(pos), torch.cat(locs), groups)
+            for plan, start, end in misses:
+                slots = plan.slots[start:end]
+                with single_thread():
+                    kv = self.kv.read(slots)  # keys at positions 0..n-1
+                ranking = self.kv.ranking(kv, plan.config.cachetune_alpha)
+                self.store.put(plan.pending.token_ids[start:end], kv, ranking)
+                with single_thread():
+                    self.kv.write_rotated(slots, kv, start)
+                i = next(
+                    j for j, s in enumerate(plan.pending.request.layout.chunks) if s.start == start
+                )
+                plan.rankings[i] = ranking
+                assert plan.stats is not None
+                plan.stats = plan.stats._replace(misses=plan.stats.misses + 1)
+
+    # ----------------------------------------------------------------- phase 2
+    def _phase2(
+        self,
+        run: Callable[..., torch.Tensor],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        fb: Any,
+        req_to_token: torch.Tensor,
+        pool_idx: list[int],
+        plans: dict[int, _Plan],
+    ) -> torch.Tensor:
+        prefix_lens = list(fb.extend_prefix_lens_cpu)
+        ext_lens = list(fb.extend_seq_lens_cpu)
+        ids, pos, locs, groups, rows = [], [], [], [], []
+        row_in, row_out = 0, 0
+        for b, idx in enumerate(pool_idx):
+            p, e = prefix_lens[b], ext_lens[b]
+            plan = plans.get(b)
+            if plan is None:
+                sel_rows = torch.arange(row_in, row_in + e)
+                key_slots = req_to_token[idx, : p + e].to(torch.int64)
+                q_pos = positions[row_in : row_in + e].to(torch.int64)
+            else:
+                sel = self._select(plan)
+                sel_rows = plan.row_offset + (sel - plan.prefix)
+                key_slots = plan.slots
+                q_pos = sel
+            n = sel_rows.numel()
+            ids.append(input_ids[sel_rows])
+            pos.append(positions[sel_rows])
+            locs.append(fb.out_cache_loc[sel_rows])
+            groups.append(AttnGroup(row_out, row_out + n, key_slots, q_pos))
+            rows.append(sel_rows)
+            row_in += e
+            row_out += n
+        out = self._run_phase(run, fb, torch.cat(ids), torch.cat(pos), torch.cat(locs), groups)
+        hidden = out.new_zeros((input_ids.shape[0], out.shape[-1]))
+        hidden[torch.cat(rows)] = out
+        return hidden
+
+    def _select(self, plan: _Plan) -> torch.Tensor:
+        """Global positions recomputed for this request (# [k] int64, sorted, >= prefix)."""
+        t0 = time.perf_counter()
+        layout = plan.pending.request.layout
+        policy = make_policy(plan.config)
+        if policy.needs_deviation:
+            raise NotImplementedError(
+                f"policy {plan.config.policy!r} needs CacheBlend's online deviation, which the "
+                "SGLang integration does not compute yet"
+            )
+        ctx = SelectionContext(layout, tuple(plan.rankings), None, plan.prefix)
+        chosen = finalize(policy.select(ctx), layout, plan.prefix).indices
+        assert plan.selected is not None
+        sel = torch.unique(torch.cat([chosen, plan.selected]))
+        sel = sel[sel >= plan.prefix]
+        assert plan.stats is not None
+        plan.stats = plan.stats._replace(
+            recomputed_tokens=int(sel.numel()),
+            reused_tokens=plan.stats.reused_tokens - _count_in(sel, plan.hit_spans),
+            selection_seconds=time.perf_counter() - t0,
+        )
+        return sel
+
+    @staticmethod
+    def _run_phase(
+        run: Callable[..., torch.Tensor],
+        fb: Any,
+        ids: torch.Tensor,  # [m]
+        pos: torch.Tensor,  # [m]
+        locs: torch.Tensor,  # [m]
+        groups: list[AttnGroup],
+    ) -> torch.Tensor:
+        saved = fb.out_cache_loc
+        fb.out_cache_loc = locs.to(saved.dtype)
+        setattr(fb, GROUPS_ATTR, groups)
+        try:
+            return run(ids.to(saved.device), pos.to(saved.device))
+        finally:
+            fb.out_cache_loc = saved
+            setattr(fb, GROUPS_ATTR, None)
+
+
+def _wants_input_logprobs(fb: Any, b: int) -> bool:
+    """Whether request ``b`` needs logits of input rows other than its last one."""
+    if not getattr(fb, "return_logprob", False):
+        return False
+    starts = getattr(fb, "extend_logprob_start_lens_cpu", None)
+    if starts is None:
+        return True
+    return int(starts[b]) < int(fb.extend_seq_lens_cpu[b]) - 1
+
+
+def _count_in(sel: torch.Tensor, spans: list[tuple[int, int]]) -> int:
+    """How many of the positions ``sel`` (# [k]) lie in the half-open ``spans``."""
+    inside = torch.zeros_like(sel, dtype=torch.bool)
+    for start, end in spans:
+        inside |= (sel >= start) & (sel < end)
+    return int(inside.sum())

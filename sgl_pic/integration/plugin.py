@@ -1,0 +1,180 @@
+"""Registration with SGLang: the ``sgl_pic`` radix cache backend and the targeted hooks.
+
+``register`` is the ``sglang.srt.plugins`` entry point; SGLang's ``load_plugins()`` calls it
+in every process (scheduler included) and then applies the hooks. It is idempotent, so
+``python -m sgl_pic.launch_server`` may also call it where no entry point is installed.
+
+Every hook passes straight through to SGLang unless the ``sgl_pic`` backend was built in
+that process, so installing the plugin never changes a server that does not select it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sgl_pic.integration.settings import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+_executor: Any = None  # ChunkExecutor of this scheduler process, once the backend is built
+_req_to_token: torch.Tensor | None = None
+
+MODEL_FORWARD_TARGETS = ("sglang.srt.models.llama.LlamaModel.forward",)
+ATTENTION_TARGET = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+)
+PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sgl_pic.integration.attention import torch_native_forward_extend_hook
+
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+    for target in MODEL_FORWARD_TARGETS:
+        HookRegistry.register(target, _model_forward_hook, HookType.AROUND)
+    HookRegistry.register(ATTENTION_TARGET, torch_native_forward_extend_hook, HookType.AROUND)
+    HookRegistry.register(PREPARE_TARGET, _after_prepare_for_extend, HookType.AFTER)
+
+
+def build_tree_cache(ctx: Any) -> Any:
+    """Radix cache factory: SGLang's own tree for prefixes plus the chunk store and executor.
+
+    The tree itself is SGLang's UnifiedRadixCache, so a prompt without chunk marks behaves
+    exactly as SGLang's prefix caching."""
+    global _executor, _req_to_token
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    from sgl_pic.integration.chunk_store import ChunkKVStore
+    from sgl_pic.integration.executor import ChunkExecutor
+    from sgl_pic.integration.kv_access import KVAccess
+    from sgl_pic.integration.metrics import PicMetrics
+    from sgl_pic.integration.settings import PicServerSettings
+    from sgl_pic.keys import ModelFingerprint, fingerprint_model_dir
+    from sgl_pic.rope import default_inv_freq
+
+    cache = create_unified_radix_cache(ctx)
+    settings = PicServerSettings.from_env()
+    hf = ctx.model_config.hf_config
+    pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    num_layers = int(hf.num_hidden_layers)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    fingerprint = ModelFingerprint(
+        model_id=fingerprint_model_dir(ctx.server_args.model_path),
+        dtype=str(pool.dtype).removeprefix("torch."),
+        page_size=int(ctx.server_args.page_size or 1),
+        tp_rank=int(ctx.tp_rank),
+        tp_size=int(ctx.tp_size),
+    )
+    store = ChunkKVStore(
+        fingerprint, settings.config.segment_tokens, settings.chunk_cache_mb * 2**20
+    )
+    kv = KVAccess(pool, num_layers, default_inv_freq(head_dim, _rope_theta(hf)))
+    _executor = ChunkExecutor(settings.config, store, kv, PicMetrics())
+    _req_to_token = ctx.params.req_to_token_pool.req_to_token
+    logger.info(
+        "sgl_pic chunk cache ready: policy=%s, store budget %d MiB, %d layers, head dim %d",
+        settings.config.policy,
+        settings.chunk_cache_mb,
+        num_layers,
+        head_dim,
+    )
+    return cache
+
+
+def _rope_theta(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise NotImplementedError(f"sgl_pic re-rotation supports plain RoPE only, not {kind!r}")
+    theta = params.get("rope_theta") or getattr(hf, "rope_theta", None)
+    if theta is None:
+        raise ValueError("model config has no rope_theta")
+    return float(theta)
+
+
+def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Registers the chunked requests of a batch about to be extended, by pool slot."""
+    if _executor is None:
+        return result
+    from sgl_pic.integration.executor import Pending
+    from sgl_pic.integration.spans import decode
+
+    for req in batch.reqs:
+        pic = decode(getattr(req.sampling_params, "custom_params", None))
+        # SGLang 0.5.23 keeps the request's req_to_token row on its KV state object.
+        pool_idx = req.kv.req_pool_idx
+        if pic is not None and pool_idx is not None:
+            _executor.pending[int(pool_idx)] = Pending(pic, tuple(req.origin_input_ids))
+    return result
+
+
+def _model_forward_hook(
+    original: Any,
+    model: Any,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    forward_batch: Any,
+    input_embeds: torch.Tensor | None = None,
+    pp_proxy_tensors: Any = None,
+    **kwargs: Any,
+) -> Any:
+    from sgl_pic.integration.attention import GROUPS_ATTR
+
+    def plain() -> Any:
+        return original(
+            model,
+            input_ids,
+            positions,
+            forward_batch,
+            input_embeds,
+            pp_proxy_tensors=pp_proxy_tensors,
+            **kwargs,
+        )
+
+    if (
+        _executor is None
+        or _req_to_token is None
+        or input_embeds is not None
+        or pp_proxy_tensors is not None
+        or getattr(forward_batch, GROUPS_ATTR, None) is not None
+        or not forward_batch.forward_mode.is_extend()
+        or forward_batch.extend_prefix_lens_cpu is None
+    ):
+        return plain()
+
+    def run(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return original(model, ids, pos, forward_batch, **kwargs)
+
+    try:
+        hidden = _executor.forward(run, input_ids, positions, forward_batch, _req_to_token)
+    except Exception:
+        # SGLang kills the whole server when a scheduler raises. Running the batch as SGLang
+        # would rewrites every new token's KV from scratch, so whatever the failed attempt
+        # wrote is overwritten; the request is served without reuse and the failure counted.
+        logger.exception("sgl_pic: chunk execution failed; running the batch without reuse")
+        _executor.metrics.failures.inc()
+        _reset_groups(forward_batch)
+        return plain()
+    return plain() if hidden is None else hidden
+
+
+def _reset_groups(forward_batch: Any) -> None:
+    from sgl_pic.integration.attention import GROUPS_ATTR
+
+    setattr(forward_batch, GROUPS_ATTR, None)

@@ -1,0 +1,131 @@
+"""``python -m sgl_pic.launch_server``: SGLang's server with position-independent chunk reuse.
+
+Takes every SGLang server argument plus the ``--pic-*`` ones below. With no model named it
+serves the embedded SmolLM2-135M; with no GPU it adds SGLang's CPU flags (each only if not
+given). ``--pic-disable`` serves plain SGLang through the same launcher (the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sgl_pic.config import MTAF_NAMES, POLICY_NAMES, PicConfig
+
+PIC_FLAGS: dict[str, str] = {
+    # flag -> PicConfig field
+    "--pic-policy": "policy",
+    "--pic-r": "daric_r",
+    "--pic-n-avg": "daric_n_avg",
+    "--pic-mtaf": "daric_mtaf",
+    "--pic-max-iters": "daric_max_iters",
+    "--pic-epic-k": "epic_k",
+    "--pic-cacheblend-ratio": "cacheblend_ratio",
+    "--pic-cachetune-r": "cachetune_r",
+    "--pic-alpha": "cachetune_alpha",
+    "--pic-segment-tokens": "segment_tokens",
+    "--pic-delimiter": "delimiter",
+}
+
+
+def pic_arg_parser() -> argparse.ArgumentParser:
+    d = PicConfig()
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("sgl_pic")
+    g.add_argument("--pic-policy", choices=POLICY_NAMES, default=d.policy)
+    g.add_argument("--pic-r", type=float, default=d.daric_r, help="DARIC initial ratio r")
+    g.add_argument("--pic-n-avg", type=float, default=d.daric_n_avg, help="DARIC n_avg")
+    g.add_argument("--pic-mtaf", choices=MTAF_NAMES, default=d.daric_mtaf, help="DARIC MTAF")
+    g.add_argument("--pic-max-iters", type=int, default=d.daric_max_iters)
+    g.add_argument("--pic-epic-k", type=int, default=d.epic_k)
+    g.add_argument("--pic-cacheblend-ratio", type=float, default=d.cacheblend_ratio)
+    g.add_argument("--pic-cachetune-r", type=float, default=d.cachetune_r)
+    g.add_argument("--pic-alpha", type=float, default=d.cachetune_alpha, help="CacheTune alpha")
+    g.add_argument("--pic-segment-tokens", type=int, default=d.segment_tokens)
+    g.add_argument("--pic-delimiter", default=d.delimiter)
+    g.add_argument("--pic-chunk-cache-mb", type=int, default=1024, help="chunk KV store, MiB")
+    g.add_argument("--pic-disable", action="store_true", help="serve plain SGLang")
+    return p
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def build(argv: list[str]) -> tuple[list[str], argparse.Namespace, PicConfig]:
+    """(SGLang argv, our namespace, PicConfig); SGLang's argv gets our defaults added."""
+    ns, rest = pic_arg_parser().parse_known_args(argv)
+    page = _flag_value(rest, "--page-size")
+    config = PicConfig(
+        **{field: getattr(ns, flag[2:].replace("-", "_")) for flag, field in PIC_FLAGS.items()},
+        page_size=int(page) if page else 1,
+    )
+    if _flag_value(rest, "--model-path") is None and _flag_value(rest, "--model") is None:
+        from sgl_pic.model.embedded import ensure_embedded_model
+
+        rest = ["--model-path", str(ensure_embedded_model().path), *rest]
+    if not ns.pic_disable:
+        from sgl_pic.integration.settings import BACKEND_NAME
+
+        if _flag_value(rest, "--radix-cache-backend") is None:
+            rest += ["--radix-cache-backend", BACKEND_NAME]
+        if "--enable-metrics" not in rest:
+            rest.append("--enable-metrics")
+    return rest, ns, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs, with_cpu_defaults
+    from sgl_pic.integration.settings import PicServerSettings
+
+    sglang_argv, ns, config = build(list(sys.argv[1:] if argv is None else argv))
+    on_cpu = _flag_value(sglang_argv, "--device") in (None, "cpu") and (
+        _flag_value(sglang_argv, "--device") == "cpu" or not torch.cuda.is_available()
+    )
+    if on_cpu:
+        activate_cpu_stubs()
+        sglang_argv = with_cpu_defaults(sglang_argv)
+    model_path = _flag_value(sglang_argv, "--model-path") or _flag_value(sglang_argv, "--model")
+    assert model_path is not None
+    PicServerSettings(config, ns.pic_chunk_cache_mb, model_path).to_env()
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    if not ns.pic_disable:
+        from sgl_pic.integration import http_ext
+        from sgl_pic.integration.plugin import register
+
+        register()
+        tokenizer = _flag_value(sglang_argv, "--tokenizer-path") or model_path
+        http_ext.install(config, tokenizer)
+    load_plugins()
+    run_server(prepare_server_args(sglang_argv))
+
+
+def _register_in_spawned_child() -> None:
+    # SGLang spawns its scheduler; a spawned child imports this module as __mp_main__ before
+    # anything else, which registers the backend and hooks there even where the entry point
+    # is not installed (its load_plugins() then applies them).
+    import os
+
+    from sgl_pic.integration.settings import ENV_VAR
+
+    if os.environ.get(ENV_VAR):
+        from sgl_pic.integration.plugin import register
+
+        register()
+
+
+if __name__ == "__main__":
+    main()
+elif __name__ == "__mp_main__":
+    _register_in_spawned_child()

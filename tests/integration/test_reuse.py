@@ -1,0 +1,173 @@
+"""Chunk reuse through the server (default policy daric): hits in any order, DARIC's
+[B, A, D, C] example, last-token logits against the oracle, and bad input over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import requests
+import torch
+
+from tests.integration.prompts import body, chunked
+from tests.integration.server import Server, launch
+
+pytestmark = pytest.mark.sglang
+
+CONTIG = 'sgl_pic_chunk_hits_total{kind="contiguous"}'
+DISJOINT = 'sgl_pic_chunk_hits_total{kind="disjoint"}'
+MISSES = "sgl_pic_chunk_misses_total"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with launch() as s:
+        yield s
+
+
+def _delta(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
+    before = server.metrics()
+    r = server.generate(req)
+    assert r.status_code == 200, r.text
+    after = server.metrics()
+    keys = (CONTIG, DISJOINT, MISSES, "sgl_pic_reused_tokens_total", "sgl_pic_failures_total")
+    return r.json(), {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
+
+
+def test_chunks_cached_in_another_order_all_hit(server: Server) -> None:
+    _, d = _delta(server, body(*chunked(["A", "B", "C"], "Which city is on the equator?")))
+    assert d[MISSES] == 3
+    out, d = _delta(server, body(*chunked(["C", "B", "A"], "Which city had temples?")))
+    assert out["meta_info"]["cached_tokens"] == 0  # no device prefix: hits are the store's
+    assert d[CONTIG] + d[DISJOINT] == 3
+    assert d[MISSES] == 0
+    assert d["sgl_pic_reused_tokens_total"] > 0
+    assert d["sgl_pic_failures_total"] == 0
+
+
+def test_plain_request_never_reads_chunked_kv(server: Server) -> None:
+    # Not D: the next test needs D never seen before.
+    toks, spans = chunked(["C", "E"], "Which city is on the equator?")
+    assert server.generate(body(toks, spans)).status_code == 200
+    again = server.generate(body(toks, spans))
+    assert again.json()["meta_info"]["cached_tokens"] > 0  # chunked requests share prefixes
+    plain = server.generate(body(toks, None))
+    assert plain.status_code == 200, plain.text
+    # Same tokens, but the chunked request's (approximate) KV is in another namespace.
+    assert plain.json()["meta_info"]["cached_tokens"] == 0
+
+
+def test_daric_example_reuses_chunk_after_a_miss(server: Server) -> None:
+    _delta(server, body(*chunked(["A", "B", "C"], "Which city is on the equator?")))
+    _, d = _delta(server, body(*chunked(["B", "A", "D", "C"], "Where is the midnight sun?")))
+    assert (d[CONTIG], d[MISSES], d[DISJOINT]) == (2, 1, 1)
+
+
+def test_last_token_logits_match_oracle(server: Server) -> None:
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.model.embedded import ensure_embedded_model
+    from sgl_pic.oracle import Oracle
+    from sgl_pic.selection import make_policy
+
+    # A header no other prompt starts with, so nothing of it is device prefix.
+    toks, spans = chunked(["E", "C", "B"], "Which port has funiculars?", header="Zebra note.\n")
+    req = body(toks, spans, n=1, policy="full_reuse")
+    req.update(return_logprob=True, top_logprobs_num=8)
+    out, d = _delta(server, req)
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert d["sgl_pic_failures_total"] == 0
+    top = out["meta_info"]["output_top_logprobs"][0]  # [[logprob, token_id, text], ...]
+
+    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
+    t = torch.tensor(toks)
+    layout = PromptLayout.from_spans(len(toks), spans)
+    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
+    policy = make_policy(PicConfig(policy="full_reuse"))
+    ref = torch.log_softmax(oracle.reuse(t, layout, chunks, policy).logits.double(), -1)
+    full = torch.log_softmax(oracle.prefill(t).logits.double(), -1)
+    for logprob, token_id, _ in top:
+        assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
+    # The comparison can tell reuse from full prefill apart on this prompt.
+    assert max(abs(float(full[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("req", "needle"),
+    [
+        ({"input_ids": [1, 2, 3], "pic": {"chunks": [[0, 2], [1, 3]]}}, "overlaps"),
+        ({"input_ids": [1, 2, 3], "pic": {"chunks": [[0, 9]]}}, "out of range"),
+        ({"input_ids": [1, 2, 3], "pic": {"chunks": [[2, 2]]}}, "empty"),
+        ({"input_ids": [1, 2, 3], "pic": {"chunks": [[0]]}}, "pair"),
+        ({"text": "a <|pic_chunk|> b"}, "unbalanced"),
+        ({"text": "a <|pic_chunk|><|pic_chunk|> b"}, "empty"),
+        ({"text": "a", "pic": {"config": {"policy": "nope"}}}, "unknown policy"),
+        ({"text": "a", "pic": {"config": {"page_size": 4}}}, "cannot be overridden"),
+        ({"text": ["a", "b"], "pic": {}}, "one 'text' string"),
+    ],
+)
+def test_bad_marks_get_400_and_server_keeps_serving(server: Server, req: dict, needle: str) -> None:
+    r = server.generate(req)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    ok = server.generate(body(*chunked(["D"], "Where is Tromso?"), n=2))
+    assert ok.status_code == 200, ok.text
+
+
+def test_openai_chat_marks_reach_the_chunk_cache(server: Server) -> None:
+    from tests.integration.prompts import DOCS
+
+    before = server.metrics()
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": "default",
+            "messages": [
+                {"role": "user", "content": DOCS["A"], "pic_chunk": True},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": DOCS["D"], "pic_chunk": True},
+                        {"type": "text", "text": "Where is the midnight sun seen?"},
+                    ],
+                },
+            ],
+            "temperature": 0,
+            "max_tokens": 6,
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    after = server.metrics()
+    assert after["sgl_pic_requests_total"] == before["sgl_pic_requests_total"] + 1
+    assert after["sgl_pic_chunk_lookups_total"] == before["sgl_pic_chunk_lookups_total"] + 2
+
+
+def test_frontend_chunk_primitive(server: Server) -> None:
+    import sglang as sgl
+
+    from sgl_pic.frontend import chunk
+    from tests.integration.prompts import DOCS
+
+    @sgl.function
+    def qa(s, docs: list[str], question: str) -> None:  # type: ignore[no-untyped-def]
+        for d in docs:
+            s += chunk(d + "\n")
+        s += "Question: " + question + "\nAnswer:" + sgl.gen("answer", max_tokens=6)
+
+    before = server.metrics()
+    state = qa.run(
+        docs=[DOCS["B"], DOCS["E"]],
+        question="Which city has temples?",
+        temperature=0,
+        backend=sgl.RuntimeEndpoint(server.url),
+    )
+    assert state["answer"]
+    after = server.metrics()
+    assert after["sgl_pic_requests_total"] == before["sgl_pic_requests_total"] + 1
+    # Both docs were cached as chunks by earlier tests of this module: none is computed
+    # again (B opens [B, A, D, C] above, so it may come from the device prefix instead).
+    keys = (CONTIG, DISJOINT, "sgl_pic_chunk_device_prefix_total")
+    assert sum(after[k] - before.get(k, 0.0) for k in keys) == 2
+    assert after[MISSES] == before[MISSES]
