@@ -52,9 +52,9 @@ def kv_deviation(ref: KVCache, test: KVCache) -> float:
         raise ValueError(f"KV shapes differ: {tuple(ref.k.shape)} vs {tuple(test.k.shape)}")
 
     def dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [L, N, H, D] each
-        a = torch.nn.functional.normalize(a.flatten(2).to(torch.float64), dim=-1)
-        b = torch.nn.functional.normalize(b.flatten(2).to(torch.float64), dim=-1)
-        return (a - b).norm(dim=-1)  # [L, N]
+        a = torch.nn.functional.normalize(a.flatten(2).to(torch.float32), dim=-1)
+        b = torch.nn.functional.normalize(b.flatten(2).to(torch.float32), dim=-1)
+        return (a - b).norm(dim=-1).to(torch.float64)  # [L, N]
 
     return float((dist(ref.k, test.k) + dist(ref.v, test.v)).mean())
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from sgl_pic.layout import PromptLayout
 from sgl_pic.oracle.forward import (
@@ -19,7 +20,9 @@ from sgl_pic.oracle.forward import (
     empty_kv,
     forward_tokens,
     logits_of,
+    mlp,
     project_qkv,
+    rms_norm,
 )
 from sgl_pic.oracle.weights import ModelWeights, load_hf_model, weights_from_hf
 from sgl_pic.rope import apply_rope, rerotate
@@ -199,6 +202,52 @@ class Oracle:
         )
         chosen = finalize(policy.select(ctx), layout, prefix_hit)
         return self.recompute(token_ids, assembled, chosen)
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        kvs: Sequence[KVCache],  # each [num_layers, N, num_kv_heads, head_dim], same N
+        first_logits: torch.Tensor,  # [B, vocab] logits at each prompt's last position
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        """# [B, max_new_tokens] greedy continuations of B prompts of equal length, one
+        token of each per step: decoding is weight-bandwidth bound, so B sequences cost
+        about as much as one. Same arithmetic as ``generate``; ``kvs`` are not modified."""
+        b, n = len(kvs), kvs[0].num_tokens
+        if first_logits.shape[0] != b or any(kv.num_tokens != n for kv in kvs):
+            raise ValueError("generate_batch needs one logits row per KV, all of one length")
+        w = self.w
+        shape = (w.num_layers, b, n + max_new_tokens, w.num_kv_heads, w.head_dim)
+        buf_k = torch.zeros(shape, dtype=self.kv_dtype)
+        buf_v = torch.zeros(shape, dtype=self.kv_dtype)
+        for i, kv in enumerate(kvs):
+            buf_k[:, i, :n] = kv.k
+            buf_v[:, i, :n] = kv.v
+        group = w.num_heads // w.num_kv_heads
+        out = torch.empty((b, max_new_tokens), dtype=torch.int64)
+        logits = first_logits
+        for step in range(max_new_tokens):
+            out[:, step] = torch.argmax(logits, dim=-1)
+            if step == max_new_tokens - 1:
+                break
+            pos = n + step
+            positions = torch.full((b,), pos, dtype=torch.int64)
+            h = F.embedding(out[:, step], w.embed)  # [B, hidden]
+            for li, layer in enumerate(w.layers):
+                q, k, v = project_qkv(w, layer, h)
+                q = apply_rope(q, positions, w.inv_freq, scale=w.rope_scale)
+                buf_k[li, :, pos] = apply_rope(k, positions, w.inv_freq, scale=w.rope_scale)
+                buf_v[li, :, pos] = v
+                # Every cached slot precedes the new token: no mask.
+                attn = F.scaled_dot_product_attention(
+                    q.view(b, w.num_kv_heads, group, w.head_dim),
+                    buf_k[li, :, : pos + 1].transpose(1, 2),
+                    buf_v[li, :, : pos + 1].transpose(1, 2),
+                )
+                h = h + F.linear(attn.reshape(b, -1), layer.o_proj)
+                h = h + mlp(layer, rms_norm(h, layer.post_norm, w.rms_eps))
+            logits = logits_of(w, rms_norm(h, w.final_norm, w.rms_eps))
+        return out
 
     @torch.inference_mode()
     def generate(

@@ -174,3 +174,27 @@ def test_real_model_full_recompute_exact_and_reuse_differs(real_oracle: Oracle, 
     assert torch.allclose(exact.logits, full.logits, atol=1e-4)
     reused = _reuse(real_oracle, ids, layout, "full_reuse")
     assert first_token_kl(full.logits, reused.logits) > 1e-3
+
+
+def test_batched_greedy_equals_one_at_a_time(tiny_oracle: Oracle) -> None:
+    ids = _ids(36, seed=14)
+    layout = PromptLayout.from_lengths([12, 12], fresh_tail=12)
+    full = tiny_oracle.prefill(ids)
+    reused = _reuse(tiny_oracle, ids, layout, "full_reuse")
+    batch = tiny_oracle.generate_batch(
+        [full.kv, reused.kv], torch.stack([full.logits, reused.logits]), 10
+    )
+    assert torch.equal(batch[0], tiny_oracle.generate(full.kv, full.logits, 10))
+    assert torch.equal(batch[1], tiny_oracle.generate(reused.kv, reused.logits, 10))
+
+
+def test_batched_greedy_matches_on_the_real_model(real_oracle: Oracle, tokenizer) -> None:
+    ids = torch.tensor(
+        tokenizer(
+            "The capital of France is Paris. The capital of Italy is", add_special_tokens=False
+        )["input_ids"]
+    )
+    full = real_oracle.prefill(ids)
+    one = real_oracle.generate(full.kv, full.logits, 8)
+    batch = real_oracle.generate_batch([full.kv, full.kv], torch.stack([full.logits] * 2), 8)
+    assert torch.equal(batch[0], one) and torch.equal(batch[1], one)
