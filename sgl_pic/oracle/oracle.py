@@ -249,7 +249,6 @@ class Oracle:
             logits = logits_of(w, rms_norm(h, w.final_norm, w.rms_eps))
         return out
 
-    @torch.inference_mode()
     def generate(
         self,
         kv: KVCache,  # [num_layers, N, num_kv_heads, head_dim] KV of the prompt
@@ -257,19 +256,4 @@ class Oracle:
         max_new_tokens: int,
     ) -> torch.Tensor:
         """# [max_new_tokens] greedy continuation; ``kv`` is not modified."""
-        n = kv.num_tokens
-        buf = empty_kv(self.w, n + max_new_tokens, self.kv_dtype)
-        buf.k[:, :n] = kv.k
-        buf.v[:, :n] = kv.v
-        slot_pos = torch.arange(n + max_new_tokens)
-        out: list[int] = []
-        logits = first_logits
-        for step in range(max_new_tokens):
-            tok = int(torch.argmax(logits))
-            out.append(tok)
-            if step == max_new_tokens - 1:
-                break
-            p = torch.tensor([n + step])
-            res = forward_tokens(self.w, torch.tensor([tok]), p, p, buf, slot_pos)
-            logits = logits_of(self.w, res.hidden)[0]
-        return torch.tensor(out, dtype=torch.int64)
+        return self.generate_batch([kv], first_logits[None], max_new_tokens)[0]
