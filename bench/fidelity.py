@@ -30,16 +30,15 @@ sys.path.insert(0, str(ROOT))
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
     answer_f1,
+    chunk_drift,
     first_token_kl,
     greedy_agreement,
     kv_deviation,
     recall_at,
-    token_drift,
     top1_agrees,
 )
 from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
-from sgl_pic.rope import rerotate  # noqa: E402
 from sgl_pic.selection import cachetune_ranking, make_policy  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
@@ -108,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         full = oracle.prefill(ids)
         t_full = time.perf_counter() - t0
         chunks = [oracle.encode_chunk(ids[s.start : s.end], ranker=ranker) for s in layout.chunks]
-        recalls.append(_ranking_recall(oracle, ids, layout, full, chunks, base.cachetune_r))
+        recalls.append(_ranking_recall(oracle, layout, full, chunks, base.cachetune_r))
         results, times = [], []
         for var in all_variants:
             policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
@@ -174,7 +173,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ranking_recall(
     oracle: Oracle,
-    ids: torch.Tensor,  # [N]
     layout: Any,
     full: Any,
     chunks: list[Any],
@@ -183,17 +181,9 @@ def _ranking_recall(
     """CacheTune E.2 on this prompt: Recall@fraction of the high-drift tokens of the
     chunks after the first, for the stored ranking, its negation, the first tokens of
     each chunk, and the random expectation."""
-    pos = torch.arange(ids.numel())
-    zero = torch.zeros_like(pos)
-    full_pre_k = torch.stack([rerotate(k, pos, zero, oracle.w.inv_freq) for k in full.kv.k])
+    # The first chunk sits at position 0: its independent KV is exact, no drift.
     later, spans = chunks[1:], layout.chunks[1:]
-    lo, hi = spans[0].start, spans[-1].end
-    drift = token_drift(
-        torch.cat([c.pre_rope_k for c in later], 1),
-        torch.cat([c.kv.v for c in later], 1),
-        full_pre_k[:, lo:hi],
-        full.kv.v[:, lo:hi],
-    )
+    drift = chunk_drift(full.kv, later, spans, oracle.w.inv_freq)
     ranking = torch.cat([c.ranking for c in later])
     first = torch.cat([-torch.arange(s.length, dtype=torch.float32) for s in spans])
     k = max(1, round(fraction * drift.numel()))

@@ -14,7 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
+from sgl_pic.layout import Span
 from sgl_pic.oracle.forward import KVCache
+from sgl_pic.oracle.oracle import ChunkKV
+from sgl_pic.rope import rerotate
 
 
 def first_token_kl(
@@ -98,6 +101,31 @@ def token_drift(
     dk = dk / dk.amax(dim=1, keepdim=True).clamp_min(eps)
     dv = dv / dv.amax(dim=1, keepdim=True).clamp_min(eps)
     return (dk + dv).mean(dim=0).to(torch.float32)
+
+
+def chunk_drift(
+    full: KVCache,  # [num_layers, N, num_kv_heads, head_dim] each, full-context prefill
+    chunks: Sequence[ChunkKV],
+    spans: Sequence[Span],
+    inv_freq: torch.Tensor,  # [head_dim // 2]
+) -> torch.Tensor:
+    """# [sum of span lengths] ``token_drift`` of each chunk's independent KV against the
+    full-context KV of its span, tokens in span order. Full-context keys are rotated back
+    to position 0 so that both sides are compared before RoPE, as CacheTune E.2 does."""
+    if len(chunks) != len(spans):
+        raise ValueError(f"{len(chunks)} chunks for {len(spans)} spans")
+    full_k, full_v = [], []
+    for span in spans:
+        pos = torch.arange(span.start, span.end)
+        k = full.k[:, span.start : span.end]
+        full_k.append(torch.stack([rerotate(kl, pos, torch.zeros_like(pos), inv_freq) for kl in k]))
+        full_v.append(full.v[:, span.start : span.end])
+    return token_drift(
+        torch.cat([c.pre_rope_k for c in chunks], 1),
+        torch.cat([c.kv.v for c in chunks], 1),
+        torch.cat(full_k, 1),
+        torch.cat(full_v, 1),
+    )
 
 
 def recall_at(

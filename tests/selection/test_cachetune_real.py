@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_pic.fidelity import recall_at, token_drift
+from sgl_pic.fidelity import chunk_drift, recall_at
 from sgl_pic.oracle import Oracle
 from sgl_pic.prompts import build_prompt, load_rag_examples
-from sgl_pic.rope import rerotate
 from sgl_pic.selection import cachetune_ranking
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "musique_dev.json"
@@ -42,10 +41,6 @@ def test_low_frequency_ranking_beats_random_recall(real_oracle: Oracle, tokenize
         prompt = build_prompt(tokenizer, passages, ex.question)
         ids, layout = prompt.token_ids, prompt.layout
         full = real_oracle.prefill(ids)
-        pos = torch.arange(ids.numel())
-        full_pre_k = torch.stack(
-            [rerotate(k, pos, torch.zeros_like(pos), real_oracle.w.inv_freq) for k in full.kv.k]
-        )
         # The first chunk sits at position 0: its independent KV is exact, no drift.
         later = layout.chunks[1:]
         chunks = [
@@ -54,13 +49,7 @@ def test_low_frequency_ranking_beats_random_recall(real_oracle: Oracle, tokenize
             )
             for s in later
         ]
-        lo, hi = later[0].start, later[-1].end
-        drift = token_drift(
-            torch.cat([c.pre_rope_k for c in chunks], 1),
-            torch.cat([c.kv.v for c in chunks], 1),
-            full_pre_k[:, lo:hi],
-            full.kv.v[:, lo:hi],
-        )
+        drift = chunk_drift(full.kv, chunks, later, real_oracle.w.inv_freq)
         ranking = torch.cat([c.ranking for c in chunks])
         recalls.append(recall_at(drift, ranking, 0.15))
     random_expectation = 0.15
