@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from sgl_pic.config import MTAF_NAMES, POLICY_NAMES, PicConfig
+from sgl_pic.integration.layer_feed import FEED_MODES
 
 PIC_FLAGS: dict[str, str] = {
     # flag -> PicConfig field
@@ -43,9 +44,33 @@ def pic_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--pic-alpha", type=float, default=d.cachetune_alpha, help="CacheTune alpha")
     g.add_argument("--pic-segment-tokens", type=int, default=d.segment_tokens)
     g.add_argument("--pic-delimiter", default=d.delimiter)
-    g.add_argument("--pic-chunk-cache-mb", type=int, default=1024, help="chunk KV store, MiB")
+    g.add_argument(
+        "--pic-device-cache-fraction",
+        type=float,
+        default=0.5,
+        help="share of SGLang's KV pool that cached chunks may hold",
+    )
+    g.add_argument("--pic-host-cache-mb", type=int, default=2048, help="host tier, MiB (0: off)")
+    g.add_argument(
+        "--pic-disk-cache-dir",
+        default=None,
+        help=f"disk tier directory (default {_default_disk_dir()}; '' turns it off)",
+    )
+    g.add_argument("--pic-disk-cache-mb", type=int, default=8192, help="disk tier, MiB")
+    g.add_argument(
+        "--pic-calibrate",
+        action="store_true",
+        help="pick CacheTune's r per tier at start-up (cost model + golden-section search)",
+    )
+    g.add_argument("--pic-feed-mode", choices=FEED_MODES, default="threaded")
     g.add_argument("--pic-disable", action="store_true", help="serve plain SGLang")
     return p
+
+
+def _default_disk_dir() -> str:
+    from sgl_pic.paths import cache_root
+
+    return str(cache_root() / "chunks")
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -94,7 +119,18 @@ def main(argv: list[str] | None = None) -> None:
         sglang_argv = with_cpu_defaults(sglang_argv)
     model_path = _flag_value(sglang_argv, "--model-path") or _flag_value(sglang_argv, "--model")
     assert model_path is not None
-    PicServerSettings(config, ns.pic_chunk_cache_mb, model_path).to_env()
+    PicServerSettings(
+        config,
+        model_path=model_path,
+        device_cache_fraction=ns.pic_device_cache_fraction,
+        host_cache_mb=ns.pic_host_cache_mb,
+        disk_cache_dir=_default_disk_dir()
+        if ns.pic_disk_cache_dir is None
+        else ns.pic_disk_cache_dir,
+        disk_cache_mb=ns.pic_disk_cache_mb,
+        calibrate=ns.pic_calibrate,
+        feed_mode=ns.pic_feed_mode,
+    ).to_env()
 
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins

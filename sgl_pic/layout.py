@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class LayoutError(ValueError):
@@ -110,3 +111,50 @@ class PromptLayout:
     @property
     def num_reusable(self) -> int:
         return sum(span.length for span in self.chunks)
+
+
+class PaddedPrompt(NamedTuple):
+    """A prompt whose chunk starts were moved onto page boundaries by fresh padding."""
+
+    token_ids: list[int]
+    layout: PromptLayout
+
+
+def pad_chunk_starts(
+    token_ids: Sequence[int], layout: PromptLayout, page_size: int, pad_id: int
+) -> PaddedPrompt:
+    """Insert ``pad_id`` tokens right before each chunk so every chunk starts on a multiple
+    of ``page_size`` (DARIC 3.3.1: block-aligned chunks fill whole KV pages, so a chunk's
+    independent KV can be kept and served as pages by unmodified paged kernels).
+
+    Padding goes into the fresh text in front of a chunk (between two adjacent chunks if
+    there is no fresh text), so it is fresh and always computed. Chunk tokens are copied
+    unchanged and in order, as are fresh tokens; only positions move. A chunk that already
+    starts on a page boundary gets no padding; ``page_size == 1`` returns the prompt as is.
+    Chunk ends are not padded: the fresh text after a chunk shares its last page.
+
+    Raises ValueError for ``page_size < 1`` or ``pad_id < 0``, and LayoutError when
+    ``token_ids`` does not have ``layout.num_tokens`` tokens.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if pad_id < 0:
+        raise ValueError(f"pad_id must be a token id >= 0, got {pad_id}")
+    if len(token_ids) != layout.num_tokens:
+        raise LayoutError(
+            f"the layout covers {layout.num_tokens} tokens but the prompt has {len(token_ids)}"
+        )
+    if page_size == 1:
+        return PaddedPrompt(list(token_ids), layout)
+    out: list[int] = []
+    chunks: list[Span] = []
+    pos = 0  # next unread index of token_ids
+    for span in layout.chunks:
+        out.extend(token_ids[pos : span.start])
+        out.extend([pad_id] * (-len(out) % page_size))
+        start = len(out)
+        out.extend(token_ids[span.start : span.end])
+        chunks.append(Span(start, len(out)))
+        pos = span.end
+    out.extend(token_ids[pos:])
+    return PaddedPrompt(out, PromptLayout(len(out), tuple(chunks)))

@@ -80,3 +80,16 @@ def rerotate(
     Attention scaling of scaled RoPE variants is already in k and is not reapplied."""
     delta = new_positions.to(torch.int64) - old_positions.to(torch.int64)
     return apply_rope(k, delta, inv_freq, layout)
+
+
+def rotate_layers(
+    keys: torch.Tensor,  # [num_layers, num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] rotation per token (negative un-rotates)
+    inv_freq: torch.Tensor,  # [head_dim // 2]
+    layout: RopeLayout = "neox",
+) -> torch.Tensor:
+    """A new tensor: every layer's keys rotated by ``positions``, in one RoPE call."""
+    num_layers, n, heads, dim = keys.shape
+    flat = keys.permute(1, 0, 2, 3).reshape(n, num_layers * heads, dim)
+    out = apply_rope(flat, positions, inv_freq, layout)
+    return out.reshape(n, num_layers, heads, dim).permute(1, 0, 2, 3)

@@ -16,6 +16,9 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 GROUPS_ATTR = "sgl_pic_attn_groups"
+# LayerFeeds (sgl_pic.integration.layer_feed) whose layer l must be in the pool before
+# layer l attends; set only while phase 2 runs.
+FEEDS_ATTR = "sgl_pic_layer_feeds"
 
 
 class AttnGroup(NamedTuple):
@@ -112,6 +115,8 @@ def torch_native_forward_extend_hook(
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) not in (None, -1):
         raise NotImplementedError("sgl_pic: cross attention and sliding windows are unsupported")
+    for feed in getattr(forward_batch, FEEDS_ATTR, None) or ():
+        feed.before_layer(layer.layer_id)
     return grouped_forward_extend(
         backend.token_to_kv_pool,
         q,

@@ -4,14 +4,20 @@ An AROUND hook on the model's forward (``LlamaModel.forward``) sees each extend 
 a request in it carries chunk marks, the batch's forward becomes two passes of SGLang's own
 layers over the same KV pool:
 
-phase 1: chunks missing from the store run as sub-requests from position 0, each over its
-         own slots of the request, so their KV is the independent chunk KV; it is copied
-         into the store, then its keys are re-rotated in place to the chunk's position.
-         Store hits are copied into their slots re-rotated the same way.
+lookup:  each chunk past the device prefix is looked up in the chunk nodes of the radix
+         cache (device tier), then in host memory and on disk. Device hits are copied
+         into the request's own slots, re-rotated to the chunk's position (the node stays
+         as it was); lower-tier hits are loaded in phase 2.
+phase 1: chunks found nowhere run as sub-requests from position 0, each over its own
+         slots of the request, so their KV is the independent chunk KV; it is copied into
+         new chunk nodes and written through to the host tier (then disk), and its keys
+         are re-rotated in place to the chunk's position.
 phase 2: the selected tokens (policy, plus fresh and last tokens, minus the device prefix)
          of every chunked request, and all new tokens of plain requests, run in one
          forward; each query attends causally by global position to the assembled KV, and
-         its K/V overwrite the reused ones in place.
+         its K/V overwrite the reused ones in place. Lower-tier chunks are loaded during
+         this forward, layer by layer and only the tokens not recomputed (``LayerFeed``),
+         then promoted into chunk nodes.
 
 The rows of tokens not recomputed are zero in the returned hidden states; SGLang's logits
 processor reads only each request's last row, which is always recomputed. Requests asking
@@ -29,9 +35,11 @@ from typing import Any
 import torch
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration.attention import GROUPS_ATTR, AttnGroup
-from sgl_pic.integration.chunk_store import ChunkKVStore
+from sgl_pic.integration.attention import FEEDS_ATTR, GROUPS_ATTR, AttnGroup
+from sgl_pic.integration.chunk_nodes import ChunkNode, ChunkNodeTable
 from sgl_pic.integration.kv_access import KVAccess, single_thread
+from sgl_pic.integration.layer_feed import LayerFeed
+from sgl_pic.integration.lower_tiers import LowerHit, LowerTiers
 from sgl_pic.integration.metrics import PicMetrics, RequestStats
 from sgl_pic.integration.spans import PicRequest
 from sgl_pic.selection import SelectionContext, finalize, make_policy
@@ -59,18 +67,39 @@ class _Plan:
     selected: torch.Tensor | None = None  # [k] positions that must be recomputed
     stats: RequestStats | None = None
     rankings: list[torch.Tensor | None] = field(default_factory=list)  # per chunk
-    hit_spans: list[tuple[int, int]] = field(default_factory=list)  # chunks from the store
+    hit_spans: list[tuple[int, int]] = field(default_factory=list)  # chunks reused
     misses: list[tuple[int, int]] = field(default_factory=list)  # chunks for phase 1
+    lower: list[tuple[int, int, LowerHit]] = field(default_factory=list)  # host/disk hits
+    locked_nodes: list[ChunkNode] = field(default_factory=list)
+    locked_keys: list[str] = field(default_factory=list)  # lower-tier records in use
+    tiers: set[str] = field(default_factory=set)  # tiers the reused chunks came from
 
 
 class ChunkExecutor:
+    """nodes:  the radix cache's chunk nodes (device tier).
+    lower:     host and disk tiers, or None when both are off.
+    ratios:    calibrated CacheTune r per tier ("device", "host", "disk"), or None; a
+               cachetune request without its own r uses the r of the slowest tier it
+               loads from.
+    feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder")."""
+
     def __init__(
-        self, settings_config: PicConfig, store: ChunkKVStore, kv: KVAccess, metrics: PicMetrics
+        self,
+        settings_config: PicConfig,
+        nodes: ChunkNodeTable,
+        kv: KVAccess,
+        metrics: PicMetrics,
+        lower: LowerTiers | None = None,
+        ratios: dict[str, float] | None = None,
+        feed_mode: str = "threaded",
     ) -> None:
         self.config = settings_config
-        self.store = store
+        self.nodes = nodes
+        self.lower = lower
         self.kv = kv
         self.metrics = metrics
+        self.ratios = ratios
+        self.feed_mode = feed_mode
         self.pending: dict[int, Pending] = {}
 
     # ----------------------------------------------------------------- entry point
@@ -115,14 +144,19 @@ class ChunkExecutor:
             return None
 
         t0 = time.perf_counter()
-        with single_thread():
-            self._assemble(plans)
-        self._phase1(run, forward_batch, plans)
-        t1 = time.perf_counter()
-        hidden = self._phase2(
-            run, input_ids, positions, forward_batch, req_to_token, pool_idx, plans
-        )
-        t2 = time.perf_counter()
+        try:
+            with single_thread():
+                self._assemble(plans)
+            self._phase1(run, forward_batch, plans)
+            t1 = time.perf_counter()
+            hidden = self._phase2(
+                run, input_ids, positions, forward_batch, req_to_token, pool_idx, plans
+            )
+            t2 = time.perf_counter()
+            with single_thread():
+                self._promote(plans)
+        finally:
+            self._release(plans)
         logger.info(
             "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
             "select+phase 2 %.3f s, recomputed %s",
@@ -134,19 +168,24 @@ class ChunkExecutor:
         for plan in plans.values():
             assert plan.stats is not None
             self.metrics.record(plan.stats)
+        self.metrics.node_tokens.set(self.nodes.allocated_tokens)
+        if self.lower is not None:
+            self.metrics.record_store_errors(self.lower.store.stats().errors)
         return hidden
 
     # ----------------------------------------------------------------- phase 1
     def _assemble(self, plans: dict[int, _Plan]) -> None:
-        """Looks every chunk up; copies hits into their slots, re-rotated; notes misses."""
+        """Looks every chunk up: device hits are copied into their slots, re-rotated;
+        host/disk hits are noted for phase 2's layer feed; misses for phase 1."""
         for plan in plans.values():
             toks = plan.pending.token_ids
-            chunks = plan.pending.request.layout.chunks
+            layout = plan.pending.request.layout
             device = contiguous = disjoint = reused = 0
+            by_tier = {"device": 0, "host": 0, "disk": 0}
             forced: list[torch.Tensor] = []
             rankings = plan.rankings
             seen_miss = False
-            for span in chunks:
+            for span in layout.chunks:
                 if span.end <= plan.prefix:
                     device += 1
                     # Never recomputed (finalize drops the device prefix), so its ranking
@@ -161,22 +200,22 @@ class ChunkExecutor:
                     seen_miss = True
                     rankings.append(torch.zeros(span.length))
                     continue
-                hit = self.store.get(toks[span.start : span.end])
-                if hit is None:
+                tier = self._lookup(plan, span.start, span.end)
+                if tier is None:
                     plan.misses.append((span.start, span.end))
                     seen_miss = True
                     rankings.append(None)
                     continue
-                self.kv.write_rotated(plan.slots[span.start : span.end], hit.kv, span.start)
-                rankings.append(hit.ranking)
+                by_tier[tier] += 1
                 plan.hit_spans.append((span.start, span.end))
                 reused += span.length
                 if seen_miss:
                     disjoint += 1
                 else:
                     contiguous += 1
+            l_cont = _contiguous_hit_length(layout, plan.prefix, plan.hit_spans)
             plan.stats = RequestStats(
-                chunks=len(chunks),
+                chunks=len(layout.chunks),
                 device_prefix_chunks=device,
                 contiguous_hits=contiguous,
                 disjoint_hits=disjoint,
@@ -185,8 +224,38 @@ class ChunkExecutor:
                 recomputed_tokens=0,
                 new_tokens=len(toks) - plan.prefix,
                 selection_seconds=0.0,
+                device_hits=by_tier["device"],
+                host_hits=by_tier["host"],
+                disk_hits=by_tier["disk"],
+                prefix_hit_tokens=max(plan.prefix, l_cont),
             )
             plan.selected = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64)
+
+    def _lookup(self, plan: _Plan, start: int, end: int) -> str | None:
+        """The tier chunk [start, end) is reused from, or None on a miss. A device hit is
+        copied in now; its nodes and a lower hit's records stay locked until the batch
+        ends, so nothing the request reads is evicted under it."""
+        chunk_ids = plan.pending.token_ids[start:end]
+        hit = self.nodes.match(chunk_ids)
+        if hit is not None:
+            self.nodes.lock(hit.nodes)
+            plan.locked_nodes.extend(hit.nodes)
+            self.kv.write_rotated(plan.slots[start:end], self.kv.read(hit.slots), start)
+            plan.rankings.append(hit.ranking)
+            plan.tiers.add("device")
+            return "device"
+        if self.lower is None:
+            return None
+        lower = self.lower.match(chunk_ids)
+        if lower is None:
+            return None
+        for k in lower.keys:
+            if self.lower.store.lock(k.digest):
+                plan.locked_keys.append(k.digest)
+        plan.lower.append((start, end, lower))
+        plan.rankings.append(lower.ranking)
+        plan.tiers.add(lower.tier)
+        return lower.tier
 
     def _phase1(self, run: Callable[..., torch.Tensor], fb: Any, plans: dict[int, _Plan]) -> None:
         """Computes the independent KV of missing chunks, stores it, re-rotates it in place."""
@@ -204,11 +273,12 @@ class ChunkExecutor:
             self._run_phase(run, fb, torch.cat(ids), torch.cat(pos), torch.cat(locs), groups)
             for plan, start, end in misses:
                 slots = plan.slots[start:end]
+                chunk_ids = plan.pending.token_ids[start:end]
                 with single_thread():
                     kv = self.kv.read(slots)  # keys at positions 0..n-1
                 ranking = self.kv.ranking(kv, plan.config.cachetune_alpha)
-                self.store.put(plan.pending.token_ids[start:end], kv, ranking)
                 with single_thread():
+                    self._store(chunk_ids, kv, ranking)
                     self.kv.write_rotated(slots, kv, start)
                 i = next(
                     j for j, s in enumerate(plan.pending.request.layout.chunks) if s.start == start
@@ -216,6 +286,24 @@ class ChunkExecutor:
                 plan.rankings[i] = ranking
                 assert plan.stats is not None
                 plan.stats = plan.stats._replace(misses=plan.stats.misses + 1)
+
+    def _store(
+        self,
+        chunk_ids: tuple[int, ...],
+        kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
+        ranking: torch.Tensor | None,  # [n]
+        to_lower: bool = True,
+    ) -> None:
+        """New chunk nodes for the segments not held (when the pool has room), and a
+        write-through copy to the host tier (which puts it on disk in the background)."""
+        inserted = self.nodes.insert(chunk_ids, ranking) if self.nodes.capacity_tokens else ()
+        if inserted is None:
+            self.metrics.node_insert_failures.inc()
+        elif inserted:
+            for node, key in zip(*inserted, strict=True):
+                self.kv.write_rotated(node.kv_slots, kv[:, :, key.start : key.end], 0)
+        if to_lower and self.lower is not None:
+            self.lower.put_chunk(chunk_ids, kv, ranking)
 
     # ----------------------------------------------------------------- phase 2
     def _phase2(
@@ -231,6 +319,7 @@ class ChunkExecutor:
         prefix_lens = list(fb.extend_prefix_lens_cpu)
         ext_lens = list(fb.extend_seq_lens_cpu)
         ids, pos, locs, groups, rows = [], [], [], [], []
+        feeds: list[LayerFeed] = []
         row_in, row_out = 0, 0
         for b, idx in enumerate(pool_idx):
             p, e = prefix_lens[b], ext_lens[b]
@@ -244,6 +333,8 @@ class ChunkExecutor:
                 sel_rows = plan.row_offset + (sel - plan.prefix)
                 key_slots = plan.slots
                 q_pos = sel
+                if plan.lower:
+                    feeds.append(self._feed(plan, sel))
             n = sel_rows.numel()
             ids.append(input_ids[sel_rows])
             pos.append(positions[sel_rows])
@@ -252,7 +343,20 @@ class ChunkExecutor:
             rows.append(sel_rows)
             row_in += e
             row_out += n
-        out = self._run_phase(run, fb, torch.cat(ids), torch.cat(pos), torch.cat(locs), groups)
+        for feed in feeds:
+            feed.start()
+        setattr(fb, FEEDS_ATTR, feeds)
+        try:
+            out = self._run_phase(run, fb, torch.cat(ids), torch.cat(pos), torch.cat(locs), groups)
+        finally:
+            setattr(fb, FEEDS_ATTR, None)
+            for feed in feeds:
+                feed.close()
+        for feed in feeds:
+            if not feed.done:
+                raise RuntimeError("phase 2 ended before every layer's reused KV was loaded")
+            self.metrics.bytes_loaded.inc(feed.bytes_moved)
+            self.metrics.bytes_dense.inc(feed.bytes_dense)
         hidden = out.new_zeros((input_ids.shape[0], out.shape[-1]))
         hidden[torch.cat(rows)] = out
         return hidden
@@ -261,6 +365,7 @@ class ChunkExecutor:
         """Global positions recomputed for this request (# [k] int64, sorted, >= prefix)."""
         t0 = time.perf_counter()
         layout = plan.pending.request.layout
+        plan.config = self._calibrated(plan)
         policy = make_policy(plan.config)
         if policy.needs_deviation:
             raise NotImplementedError(
@@ -279,6 +384,58 @@ class ChunkExecutor:
             selection_seconds=time.perf_counter() - t0,
         )
         return sel
+
+    def _calibrated(self, plan: _Plan) -> PicConfig:
+        """The request's config with CacheTune's r set to the calibrated r of the slowest
+        tier it reuses from, unless calibration is off or the request chose its own r."""
+        if (
+            self.ratios is None
+            or plan.config.policy != "cachetune"
+            or "cachetune_r" in plan.pending.request.overrides
+        ):
+            return plan.config
+        tier = next((t for t in ("disk", "host", "device") if t in plan.tiers), None)
+        if tier is None or tier not in self.ratios:
+            return plan.config
+        return plan.config.with_overrides(cachetune_r=self.ratios[tier])
+
+    def _feed(self, plan: _Plan, sel: torch.Tensor) -> LayerFeed:
+        """The layer feed of a request's lower-tier chunks: each loads the tokens ``sel``
+        (# [k] global positions) does not recompute."""
+        assert self.lower is not None
+        placements = []
+        for start, end, hit in plan.lower:
+            local = sel[(sel >= start) & (sel < end)] - start
+            placements += self.lower.placements(
+                hit, plan.pending.token_ids[start:end], start, local
+            )
+        return LayerFeed(
+            self.lower.loader, placements, plan.slots, self.kv, self.kv.num_layers, self.feed_mode
+        )
+
+    def _promote(self, plans: dict[int, _Plan]) -> None:
+        """Lower-tier chunks the request used become chunk nodes (a full load from host
+        memory or disk), so the next request finds them on the device."""
+        if self.lower is None or self.nodes.capacity_tokens == 0:
+            return
+        for plan in plans.values():
+            for start, end, hit in plan.lower:
+                chunk_ids = plan.pending.token_ids[start:end]
+                if self.nodes.match(chunk_ids) is not None:
+                    continue
+                kv = self.lower.load_full(hit, chunk_ids)
+                if kv is not None:
+                    self._store(chunk_ids, kv, hit.ranking, to_lower=False)
+                    self.metrics.promotions.inc()
+
+    def _release(self, plans: dict[int, _Plan]) -> None:
+        for plan in plans.values():
+            self.nodes.unlock(plan.locked_nodes)
+            plan.locked_nodes.clear()
+            if self.lower is not None:
+                for key in plan.locked_keys:
+                    self.lower.store.unlock(key)
+            plan.locked_keys.clear()
 
     @staticmethod
     def _run_phase(
@@ -307,6 +464,17 @@ def _wants_input_logprobs(fb: Any, b: int) -> bool:
     if starts is None:
         return True
     return int(starts[b]) < int(fb.extend_seq_lens_cpu[b]) - 1
+
+
+def _contiguous_hit_length(layout: Any, prefix: int, hits: list[tuple[int, int]]) -> int:
+    """DARIC's L_cont: how far from position 0 the prompt is covered by the device prefix
+    and reused chunks without a gap (fresh text or a missed chunk ends it)."""
+    end = prefix
+    for start, stop in sorted(hits):
+        if start > end:
+            break
+        end = max(end, stop)
+    return end if end > prefix else 0
 
 
 def _count_in(sel: torch.Tensor, spans: list[tuple[int, int]]) -> int:

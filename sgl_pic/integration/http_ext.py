@@ -12,6 +12,10 @@ Request forms (single requests; a batch with chunk marks is rejected):
   {"text": "... <d>chunk<d> ..."}            (the delimiter alone marks chunks)
 ``config`` holds per-request overrides of PicConfig (policy, daric_r, ...).
 
+With a KV page size above 1, pad tokens are inserted into the fresh text before each chunk
+so that every chunk starts on a page boundary (``pad_chunk_starts``); the ``input_ids`` sent
+on, the spans and SGLang's prompt token count all include them, as they are prefilled.
+
 OpenAI chat: a message with ``"pic_chunk": true``, or a text item of a content list with
 ``"pic_chunk": true``, is a chunk; ``"pic": {"config": {...}}`` carries overrides.
 """
@@ -29,7 +33,7 @@ from sgl_pic.integration.spans import (
     layout_from_spans,
     split_on_delimiter,
 )
-from sgl_pic.layout import LayoutError, PromptLayout
+from sgl_pic.layout import LayoutError, PaddedPrompt, PromptLayout, pad_chunk_starts
 
 PREFIX_NAMESPACE = "sgl_pic:"
 UNSUPPORTED_POLICIES = frozenset({"cacheblend"})  # needs online deviation: not wired yet
@@ -51,6 +55,26 @@ class RequestTranslator:
         if self._tokenizer is None:
             self._tokenizer = self._load_tokenizer()
         return self._tokenizer
+
+    def pad_id(self) -> int:
+        """The token that pads chunk starts to a page boundary: the tokenizer's pad token,
+        else its EOS token."""
+        tok = self.tokenizer
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(tok, name, None)
+            if isinstance(value, int) and value >= 0:
+                return value
+        raise LayoutError(
+            f"page size {self.config.page_size} needs a token to pad chunk starts with, but "
+            "the tokenizer has neither a pad_token_id nor an eos_token_id"
+        )
+
+    def align(self, ids: list[int], layout: PromptLayout) -> PaddedPrompt:
+        """``ids`` and ``layout`` with chunk starts padded to the KV page size; unchanged
+        for a page size of 1 (which then needs no pad token)."""
+        if self.config.page_size == 1:
+            return PaddedPrompt(ids, layout)
+        return pad_chunk_starts(ids, layout, self.config.page_size, self.pad_id())
 
     def tokenize(self, text: str, is_first: bool) -> list[int]:
         """Special tokens (e.g. BOS) only on the first piece of a prompt."""
@@ -96,6 +120,7 @@ class RequestTranslator:
             d,
             lambda t, _first: list(self.tokenizer(t, add_special_tokens=False)["input_ids"]),
         )
+        ids, layout = self.align(ids, layout)
         obj["messages"] = [_strip_marks(m) for m in messages]
         obj["input_ids"] = ids
         custom = dict(obj.get("custom_params") or {})
@@ -134,7 +159,9 @@ class RequestTranslator:
         if unknown:
             raise LayoutError(f"unknown field(s) {unknown} in 'pic'; allowed: chunks, config")
         overrides = self._overrides({"config": pic.get("config")})
-        layout = self._layout(obj, pic)
+        ids, layout = self.align(*self._layout(obj, pic))
+        obj.pop("text", None)
+        obj["input_ids"] = ids
         sp = obj.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise LayoutError("chunk marks need a single request ('sampling_params' object)")
@@ -144,7 +171,8 @@ class RequestTranslator:
         obj["extra_key"] = _namespaced(obj.get("extra_key"))
         return obj
 
-    def _layout(self, obj: dict[str, Any], pic: dict[str, Any]) -> PromptLayout:
+    def _layout(self, obj: dict[str, Any], pic: dict[str, Any]) -> tuple[list[int], PromptLayout]:
+        """The request's token ids and their validated chunk spans (not yet page-aligned)."""
         if "chunks" in pic:
             ids = obj.get("input_ids")
             if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
@@ -153,17 +181,14 @@ class RequestTranslator:
                 )
             if obj.get("text") is not None:
                 raise LayoutError("send either 'text' with delimiters or 'input_ids' with chunks")
-            return layout_from_spans(ids, pic["chunks"])
+            return ids, layout_from_spans(ids, pic["chunks"])
         text = obj.get("text")
         if not isinstance(text, str):
             raise LayoutError(
                 "chunk marks need one 'text' string with delimiters, or 'input_ids' with "
                 "'pic.chunks'"
             )
-        ids, layout = split_on_delimiter(text, self.config.delimiter, self.tokenize)
-        del obj["text"]
-        obj["input_ids"] = ids
-        return layout
+        return split_on_delimiter(text, self.config.delimiter, self.tokenize)
 
 
 class PicHTTPMiddleware:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sgl_pic.rope import RopeLayout, apply_rope
+from sgl_pic.rope import RopeLayout, rotate_layers
 from sgl_pic.selection import cachetune_ranking
 
 
@@ -65,10 +65,21 @@ class KVAccess:
         pre = self._rotate(kv[:, 0], -torch.arange(n))  # un-rotate: pre-RoPE keys
         return cachetune_ranking(pre, kv[:, 1], alpha)
 
+    def write_layer(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # [n]
+        k: torch.Tensor,  # [n, num_kv_heads, head_dim], already at its final positions
+        v: torch.Tensor,  # [n, num_kv_heads, head_dim]
+    ) -> None:
+        kb = self.pool.get_key_buffer(layer)
+        vb = self.pool.get_value_buffer(layer)
+        idx = slots.to(kb.device)
+        kb[idx] = k.to(kb.device, kb.dtype)
+        vb[idx] = v.to(vb.device, vb.dtype)
+
     def _rotate(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """keys # [L, n, H, D] rotated by ``delta`` positions (scalar or # [n])."""
-        num_layers, n, heads, dim = keys.shape
+        n = keys.shape[1]
         d = torch.full((n,), delta) if isinstance(delta, int) else delta
-        flat = keys.permute(1, 0, 2, 3).reshape(n, num_layers * heads, dim)
-        out = apply_rope(flat, d, self.inv_freq, self.layout)
-        return out.reshape(n, num_layers, heads, dim).permute(1, 0, 2, 3)
+        return rotate_layers(keys, d, self.inv_freq, self.layout)

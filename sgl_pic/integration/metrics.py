@@ -9,6 +9,7 @@ request's values are also exported as gauges for a glance.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -26,6 +27,10 @@ class RequestStats(NamedTuple):
     recomputed_tokens: int  # tokens computed in phase 2
     new_tokens: int  # tokens past the device prefix
     selection_seconds: float
+    device_hits: int = 0  # reused chunks found in chunk nodes
+    host_hits: int = 0  # ... in host memory
+    disk_hits: int = 0  # ... on disk
+    prefix_hit_tokens: int = 0  # DARIC's L_hit = max(L_gpu, L_cont)
 
 
 class PicMetrics:
@@ -52,6 +57,41 @@ class PicMetrics:
             "Time to choose the recomputed tokens",
             buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
         )
+        self.tier_hits = Counter("sgl_pic_tier_hits", "Reused chunks by source tier", ["tier"])
+        self.prefix_hit_tokens = Counter(
+            "sgl_pic_prefix_hit_tokens",
+            "L_hit = max(device prefix, contiguous hit group) tokens, summed over requests",
+        )
+        self.bytes_loaded = Counter(
+            "sgl_pic_bytes_loaded", "KV bytes moved out of host memory and disk (sparse)"
+        )
+        self.bytes_dense = Counter(
+            "sgl_pic_bytes_dense", "KV bytes loading those chunks whole would have moved"
+        )
+        self.promotions = Counter(
+            "sgl_pic_promotions", "Host or disk chunks copied into chunk nodes after use"
+        )
+        self.node_insert_failures = Counter(
+            "sgl_pic_node_insert_failures",
+            "New chunks not kept as chunk nodes (pool share full of locked nodes, or no slots)",
+        )
+        self.store_errors = Counter(
+            "sgl_pic_store_errors",
+            "Host/disk tier failures by kind (corrupt, truncated, foreign_model, enospc, ...)",
+            ["kind"],
+        )
+        self.calibrated_r = Gauge(
+            "sgl_pic_calibrated_r",
+            "CacheTune recompute ratio chosen per tier by start-up calibration",
+            ["tier"],
+            multiprocess_mode="mostrecent",
+        )
+        self.node_tokens = Gauge(
+            "sgl_pic_chunk_node_tokens",
+            "Pool slots held by chunk nodes",
+            multiprocess_mode="mostrecent",
+        )
+        self._errors_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
             "sgl_pic_last_hit_rate",
             "Chunk hit rate of the last request",
@@ -74,8 +114,20 @@ class PicMetrics:
         self.recomputed.inc(s.recomputed_tokens)
         self.new_tokens.inc(s.new_tokens)
         self.selection.observe(s.selection_seconds)
+        self.tier_hits.labels(tier="device").inc(s.device_hits)
+        self.tier_hits.labels(tier="host").inc(s.host_hits)
+        self.tier_hits.labels(tier="disk").inc(s.disk_hits)
+        self.prefix_hit_tokens.inc(s.prefix_hit_tokens)
         if s.chunks:
             hits = s.contiguous_hits + s.disjoint_hits + s.device_prefix_chunks
             self.hit_rate.set(hits / s.chunks)
         if s.new_tokens:
             self.recomputed_fraction.set(s.recomputed_tokens / s.new_tokens)
+
+    def record_store_errors(self, errors: Mapping[str, int]) -> None:
+        """Adds what the tiers' cumulative error counts gained since the last call."""
+        for kind, total in errors.items():
+            gained = total - self._errors_seen.get(kind, 0)
+            if gained > 0:
+                self.store_errors.labels(kind=kind).inc(gained)
+            self._errors_seen[kind] = total

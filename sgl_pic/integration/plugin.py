@@ -52,14 +52,11 @@ def register() -> None:
 
 
 def build_tree_cache(ctx: Any) -> Any:
-    """Radix cache factory: SGLang's own tree for prefixes plus the chunk store and executor.
-
-    The tree itself is SGLang's UnifiedRadixCache, so a prompt without chunk marks behaves
-    exactly as SGLang's prefix caching."""
+    """Radix cache factory: SGLang's own tree plus chunk nodes (``ChunkRadixCache``), the
+    host and disk tiers under them, and the executor that uses them."""
     global _executor, _req_to_token
-    from sglang.srt.mem_cache.registry import create_unified_radix_cache
-
-    from sgl_pic.integration.chunk_store import ChunkKVStore
+    from sgl_pic.integration import radix_cache
+    from sgl_pic.integration.chunk_nodes import ChunkNodeTable
     from sgl_pic.integration.executor import ChunkExecutor
     from sgl_pic.integration.kv_access import KVAccess
     from sgl_pic.integration.metrics import PicMetrics
@@ -67,7 +64,6 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.keys import ModelFingerprint, fingerprint_model_dir
     from sgl_pic.rope import default_inv_freq
 
-    cache = create_unified_radix_cache(ctx)
     settings = PicServerSettings.from_env()
     hf = ctx.model_config.hf_config
     pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
@@ -80,20 +76,75 @@ def build_tree_cache(ctx: Any) -> Any:
         tp_rank=int(ctx.tp_rank),
         tp_size=int(ctx.tp_size),
     )
-    store = ChunkKVStore(
-        fingerprint, settings.config.segment_tokens, settings.chunk_cache_mb * 2**20
+    inv_freq = default_inv_freq(head_dim, _rope_theta(hf))
+    pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
+    capacity = int(settings.device_cache_fraction * pool_tokens)
+
+    def make_table(allocator: Any) -> ChunkNodeTable:
+        return ChunkNodeTable(allocator, fingerprint, settings.config.segment_tokens, capacity)
+
+    cache = radix_cache.build(ctx, make_table)
+    assert cache.chunk_nodes is not None
+    metrics = PicMetrics()
+    lower = (
+        _lower_tiers(settings, fingerprint, inv_freq, pool) if settings.has_lower_tiers else None
     )
-    kv = KVAccess(pool, num_layers, default_inv_freq(head_dim, _rope_theta(hf)))
-    _executor = ChunkExecutor(settings.config, store, kv, PicMetrics())
+    ratios = None
+    if settings.calibrate and lower is not None:
+        from sgl_pic.integration.calibration import calibrate_tiers
+
+        ratios = calibrate_tiers(settings, hf)
+        for tier, r in ratios.items():
+            metrics.calibrated_r.labels(tier=tier).set(r)
+    kv = KVAccess(pool, num_layers, inv_freq)
+    _executor = ChunkExecutor(
+        settings.config,
+        cache.chunk_nodes,
+        kv,
+        metrics,
+        lower=lower,
+        ratios=ratios,
+        feed_mode=settings.feed_mode,
+    )
     _req_to_token = ctx.params.req_to_token_pool.req_to_token
     logger.info(
-        "sgl_pic chunk cache ready: policy=%s, store budget %d MiB, %d layers, head dim %d",
+        "sgl_pic chunk cache ready: policy=%s, chunk nodes up to %d of %d pool slots, "
+        "host tier %d MiB, disk tier %s, %d layers, head dim %d",
         settings.config.policy,
-        settings.chunk_cache_mb,
+        capacity,
+        pool_tokens,
+        settings.host_cache_mb,
+        f"{settings.disk_cache_dir} ({settings.disk_cache_mb} MiB)"
+        if settings.disk_cache_dir
+        else "off",
         num_layers,
         head_dim,
     )
     return cache
+
+
+def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, pool: Any) -> Any:
+    """Host and disk tiers keyed by the pre-RoPE fingerprint. With the disk tier off, its
+    place is a zero-capacity tier in a private temporary directory that keeps nothing."""
+    import dataclasses
+    import tempfile
+
+    from sgl_pic.integration.lower_tiers import LowerTiers
+    from sgl_pic.store.disk import DiskStoreConfig
+    from sgl_pic.store.host import HostStoreConfig
+    from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
+
+    pre = dataclasses.replace(fingerprint, pre_rope=True)
+    if settings.disk_cache_dir:
+        disk = DiskStoreConfig(settings.disk_cache_dir, settings.disk_cache_mb * 2**20)
+        write_back = "on_put"
+    else:
+        disk = DiskStoreConfig(tempfile.mkdtemp(prefix="sgl_pic_nodisk_"), 0)
+        write_back = "on_evict"
+    host = HostStoreConfig(settings.host_cache_mb * 2**20, write_back=write_back)
+    store = TieredStore(TieredStoreConfig(host, disk), pre.digest())
+    device = str(getattr(pool, "device", None) or "cpu")
+    return LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device=device)
 
 
 def _rope_theta(hf: Any) -> float:

@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from sgl_pic.config import PicConfig
+from sgl_pic.integration.layer_feed import FEED_MODES
 
 ENV_VAR = "SGLPIC_SETTINGS"  # not SGL_*: SGLang claims that prefix
 BACKEND_NAME = "sgl_pic"
@@ -18,22 +19,49 @@ BACKEND_NAME = "sgl_pic"
 
 @dataclass(frozen=True)
 class PicServerSettings:
-    """config:          default PicConfig of every request (requests may override fields).
-    chunk_cache_mb:  byte budget of the chunk KV store, MiB.
-    model_path:      model directory (its fingerprint keys the chunk store)."""
+    """config:             default PicConfig of every request (requests may override fields).
+    model_path:           model directory (its fingerprint keys every tier).
+    device_cache_fraction: share of SGLang's KV pool chunk nodes may hold, in [0, 1].
+    host_cache_mb:        host-memory tier capacity, MiB (0 turns the tier off).
+    disk_cache_dir:       disk tier directory ("" turns the tier off); chunks written there
+                          survive restarts.
+    disk_cache_mb:        disk tier capacity, MiB.
+    calibrate:            measure load and compute costs at start-up and pick CacheTune's r
+                          per tier (stored as calibration.json beside the disk tier).
+    feed_mode:            how host/disk KV is loaded during phase 2: "threaded" or "inorder".
+    """
 
     config: PicConfig
-    chunk_cache_mb: int = 1024
     model_path: str = ""
+    device_cache_fraction: float = 0.5
+    host_cache_mb: int = 2048
+    disk_cache_dir: str = ""
+    disk_cache_mb: int = 8192
+    calibrate: bool = False
+    feed_mode: str = "threaded"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.device_cache_fraction <= 1.0:
+            raise ValueError(
+                f"device_cache_fraction must be in [0, 1], got {self.device_cache_fraction}"
+            )
+        if self.host_cache_mb < 0 or self.disk_cache_mb < 0:
+            raise ValueError("host_cache_mb and disk_cache_mb must be >= 0")
+        if self.feed_mode not in FEED_MODES:
+            raise ValueError(
+                f"unknown feed_mode {self.feed_mode!r}; valid: {', '.join(FEED_MODES)}"
+            )
+        if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):
+            raise ValueError("calibration picks r per host/disk tier: enable one of them")
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.host_cache_mb > 0 or bool(self.disk_cache_dir)
 
     def to_env(self) -> None:
-        os.environ[ENV_VAR] = json.dumps(
-            {
-                "config": asdict(self.config),
-                "chunk_cache_mb": self.chunk_cache_mb,
-                "model_path": self.model_path,
-            }
-        )
+        data = asdict(self)
+        data["config"] = asdict(self.config)
+        os.environ[ENV_VAR] = json.dumps(data)
 
     @classmethod
     def from_env(cls) -> PicServerSettings:
@@ -42,8 +70,5 @@ class PicServerSettings:
             # Registered through the entry point without our launcher: library defaults.
             return cls(PicConfig())
         data = json.loads(raw)
-        return cls(
-            config=PicConfig(**data["config"]),
-            chunk_cache_mb=int(data["chunk_cache_mb"]),
-            model_path=str(data["model_path"]),
-        )
+        data["config"] = PicConfig(**data["config"])
+        return cls(**data)

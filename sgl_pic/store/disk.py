@@ -33,11 +33,16 @@ from sgl_pic.store.format import (
     SUFFIX,
     TMP_PREFIX,
     RecordFile,
+    RecordHeader,
     encode_record,
     file_name,
     read_header,
     write_record,
 )
+
+# Counted as "enospc": the device is full, a quota is spent, or the process's file-size
+# limit is reached; each means this record cannot be written now.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 # (error kind in stats, delete the file?). Foreign and newer files may belong to another
 # model or a newer binary sharing the directory, so they are skipped, not deleted.
@@ -170,6 +175,18 @@ class DiskStore(BoundedStore):
             else:
                 self._errors["unreadable"] += 1
 
+    def peek_header(self, key: str, token_ids: Sequence[int] | None = None) -> RecordHeader | None:
+        """The file's checked header (model, key, tokens), without counting an access or
+        reading the payload; None if not held or the header is unusable (left for the
+        next read to count and drop)."""
+        check_key(key)
+        if not self.contains(key):
+            return None
+        try:
+            return read_header(self.path_of(key), self.model_digest, key, token_ids)
+        except (StoreError, OSError, ValueError):
+            return None
+
     def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
         path = self._begin_read(key)
         if path is None:
@@ -246,7 +263,7 @@ class DiskStore(BoundedStore):
                 self._counts["puts"] += 1
             else:
                 self._errors["write_error"] += 1
-                if err.errno == errno.ENOSPC:
+                if err.errno in _NO_SPACE:
                     self._errors["enospc"] += 1
         return err is None
 

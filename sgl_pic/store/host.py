@@ -111,6 +111,11 @@ class HostStore(BoundedStore):
             self._counts["hits"] += 1
             return self._records[key]
 
+    def peek(self, key: str) -> ChunkKV | None:
+        """The record if held, without counting an access (shared: never mutate)."""
+        with self._lock:
+            return self._records.get(key)
+
     def get_layers(
         self,
         key: str,

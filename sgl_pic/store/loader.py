@@ -94,6 +94,7 @@ class FetchedLayer:
     v: torch.Tensor
     bytes_moved: int
     missing: tuple[str, ...]
+    bytes_dense: int = 0  # what moving every token of the hit chunks would have cost
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +110,7 @@ class LoadedLayer:
     v: torch.Tensor
     bytes_moved: int
     missing: tuple[str, ...]
+    bytes_dense: int = 0  # what moving every token of the hit chunks would have cost
 
 
 @dataclass(frozen=True)
@@ -150,9 +152,12 @@ class SparseLoader:
         pos: list[torch.Tensor] = []
         missing: list[str] = []
         moved = dense = tokens = 0
+        skipped = 0  # tokens of chunks recomputed whole: nothing to move
+        row = 0
         for c in chunks:
             reuse = c.reuse
             if reuse.numel() == 0:
+                skipped += c.num_tokens
                 continue
             part = self.store.get_layers(c.key, range(layer, layer + 1), reuse, c.token_ids)
             if part is None:
@@ -167,6 +172,9 @@ class SparseLoader:
             row = part.k.shape[-2] * part.k.shape[-1] * part.k.element_size()
             dense += 2 * c.num_tokens * row
             tokens += part.token_indices.numel()
+        # A chunk recomputed whole would have cost its full rows in a dense load; the row
+        # size is known once any record was read in this layer (all share the model's).
+        dense += 2 * skipped * row
         with self._lock:
             s = self._stats
             self._stats = LoadStats(
@@ -182,7 +190,7 @@ class SparseLoader:
         else:
             k = v = torch.empty(0)
             positions = torch.empty(0, dtype=torch.int64)
-        return FetchedLayer(layer, positions, k, v, moved, tuple(missing))
+        return FetchedLayer(layer, positions, k, v, moved, tuple(missing), dense)
 
     def rotate(self, fetched: FetchedLayer) -> LoadedLayer:
         """Recompute path: deferred RoPE, keys rotated to their global positions (a new
@@ -197,7 +205,13 @@ class SparseLoader:
                 layout,
             )
         return LoadedLayer(
-            fetched.layer, fetched.positions, k, fetched.v, fetched.bytes_moved, fetched.missing
+            fetched.layer,
+            fetched.positions,
+            k,
+            fetched.v,
+            fetched.bytes_moved,
+            fetched.missing,
+            fetched.bytes_dense,
         )
 
     def load_layer(self, chunks: Sequence[ChunkPlacement], layer: int) -> LoadedLayer:

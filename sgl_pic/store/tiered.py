@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -29,6 +29,12 @@ from sgl_pic.store.disk import DiskStore, DiskStoreConfig
 from sgl_pic.store.host import HostStore, HostStoreConfig, WriteBack, WriteBackConfig
 
 Tier = Literal["device", "host", "disk"]
+
+
+class RankingPeek(NamedTuple):
+    """ranking: # [num_tokens] the record's CacheTune ranking, or None if it has none."""
+
+    ranking: torch.Tensor | None
 
 
 class DeviceTier(Protocol):
@@ -95,6 +101,22 @@ class TieredStore(ChunkStore):
 
     def contains(self, key: str) -> bool:
         return self.host.contains(key) or self.disk.contains(key)
+
+    def peek_ranking(self, key: str, token_ids: Sequence[int] | None = None) -> RankingPeek | None:
+        """The record's ranking without moving its KV (from host memory, else from the
+        file header), or None if the key is not held or the header is unusable. Counts
+        nothing; a bad file is left for the next read to detect, count and drop."""
+        if self.host.contains(key):
+            record = self.host.peek(key)
+            if record is not None:
+                if token_ids is not None and tuple(int(t) for t in token_ids) != record.token_ids:
+                    return None
+                return RankingPeek(record.ranking)
+        if self.disk.contains(key):
+            header = self.disk.peek_header(key, token_ids)
+            if header is not None:
+                return RankingPeek(header.ranking)
+        return None
 
     def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
         if self.host.contains(key):

@@ -52,12 +52,18 @@ class Server:
 
 
 @contextmanager
-def launch(*args: str) -> Iterator[Server]:
+def launch(*args: str, preexec: Any = None) -> Iterator[Server]:
+    """A healthy server with ``args``; unless they name one, its disk tier is a fresh
+    temporary directory, so no test sees chunks another test (or a user) cached."""
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="sgl_pic_server_", suffix=".log")
     cmd = [sys.executable, "-m", "sgl_pic.launch_server", "--port", str(port), *args]
+    if "--pic-disk-cache-dir" not in args:
+        cmd += ["--pic-disk-cache-dir", tempfile.mkdtemp(prefix="sgl_pic_disk_")]
     with os.fdopen(fd, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec
+        )
     server = Server(f"http://127.0.0.1:{port}", log_path)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

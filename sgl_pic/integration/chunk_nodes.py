@@ -1,0 +1,240 @@
+"""Chunk-hashed, non-prefix nodes of the radix cache: independent chunk KV in SGLang's pool.
+
+Each node is one segment of a chunk (DARIC 3.3.2): its key chains over the chunk's earlier
+segments (``sgl_pic.keys.segment_keys``), its parent is the previous segment (None for a
+chunk's first), and its KV lives in slots taken from SGLang's token-to-KV allocator, keys
+post-RoPE at positions 0..n-1 of the chunk, exactly as phase 1 wrote them. So the
+allocator accounts for every cached chunk token; ``ChunkRadixCache`` reports them as
+evictable (unlocked) or protected (locked) beside SGLang's own prefix nodes.
+
+A node is immutable once inserted: hits are copied out into the request's own slots and
+re-rotated there. Eviction takes leaves only (a segment whose successor is held stays, or
+the successor could never hit again), least recently used first, never a locked node.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
+
+
+@dataclass
+class ChunkNode:
+    """One cached segment. Mutable bookkeeping only; ``slots`` never change.
+
+    slots:    # [allocated] int64 pool slots; the first ``num_tokens`` hold the KV, the
+              rest pad the allocation to whole pages.
+    ranking:  # [num_tokens] CacheTune ranking, or None.
+    """
+
+    key: str
+    parent: str | None
+    slots: torch.Tensor
+    num_tokens: int
+    ranking: torch.Tensor | None
+    lock_ref: int = 0
+    children: int = 0
+    last_access: int = 0
+    hits: int = 0
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """# [num_tokens] the slots holding the segment's KV."""
+        return self.slots[: self.num_tokens]
+
+    @property
+    def allocated(self) -> int:
+        return int(self.slots.numel())
+
+
+class ChunkHit(NamedTuple):
+    """All segments of one chunk, in order, and the chunk's ranking (None if any segment
+    lacks one)."""
+
+    nodes: tuple[ChunkNode, ...]
+    ranking: torch.Tensor | None
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """# [n] pool slots of the chunk's KV, token order."""
+        return torch.cat([n.kv_slots for n in self.nodes])
+
+
+class ChunkNodeTable:
+    """The chunk nodes of one scheduler's cache.
+
+    allocator: SGLang's token-to-KV allocator (``alloc(n)`` -> slots or None, ``free``,
+               ``page_size``); every slot a node holds came from it and returns to it.
+    capacity_tokens: most slots the nodes may hold together; inserting beyond it evicts
+               unlocked leaves first and gives up (returns None) if that is not enough.
+
+    Not thread-safe: SGLang's scheduler thread owns it, as it owns the prefix tree.
+    """
+
+    def __init__(
+        self,
+        allocator: Any,
+        fingerprint: ModelFingerprint,
+        segment_tokens: int,
+        capacity_tokens: int,
+    ) -> None:
+        if capacity_tokens < 0:
+            raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+        self.allocator = allocator
+        self.fingerprint = fingerprint
+        self.segment_tokens = segment_tokens
+        self.capacity_tokens = capacity_tokens
+        self.page_size = int(getattr(allocator, "page_size", 1) or 1)
+        self._nodes: dict[str, ChunkNode] = {}
+        self._clock = itertools.count(1)
+        self._allocated = 0
+        self._locked = 0  # slots of nodes with lock_ref > 0
+
+    # ----------------------------------------------------------------- sizes
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def allocated_tokens(self) -> int:
+        return self._allocated
+
+    @property
+    def protected_tokens(self) -> int:
+        """Slots of locked nodes: in use by a running request."""
+        return self._locked
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self._allocated - self._locked
+
+    def contains(self, key: str) -> bool:
+        return key in self._nodes
+
+    # ----------------------------------------------------------------- lookup
+    def keys(self, token_ids: Sequence[int]) -> tuple[SegmentKey, ...]:
+        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens)
+
+    def match(self, token_ids: Sequence[int]) -> ChunkHit | None:
+        """The chunk's nodes if every segment is held (touching them), else None."""
+        keys = self.keys(token_ids)
+        nodes = [self._nodes.get(k.digest) for k in keys]
+        if any(n is None for n in nodes):
+            return None
+        held = tuple(n for n in nodes if n is not None)
+        now = next(self._clock)
+        for n in held:
+            n.last_access = now
+            n.hits += 1
+        rankings = [n.ranking for n in held]
+        ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
+        return ChunkHit(held, ranking)
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        ranking: torch.Tensor | None,  # [n]
+    ) -> tuple[tuple[ChunkNode, ...], tuple[SegmentKey, ...]] | None:
+        """Allocates the segments not yet held and links them in; returns (new nodes,
+        their keys) for the caller to fill with KV before anything reads them (the
+        scheduler thread does both, so nothing can read them in between). None when the
+        slots cannot be had within the capacity; nothing is changed then."""
+        keys = self.keys(token_ids)
+        missing = [k for k in keys if k.digest not in self._nodes]
+        if not missing:
+            return (), ()
+        need = sum(self._padded(k.end - k.start) for k in missing)
+        if need > self.capacity_tokens:
+            return None
+        over = self._allocated + need - self.capacity_tokens
+        if over > 0:
+            self.evict(over)
+            if self._allocated + need > self.capacity_tokens:
+                return None
+        slots = self.allocator.alloc(need)
+        if slots is None:
+            return None
+        now = next(self._clock)
+        new: list[ChunkNode] = []
+        at = 0
+        by_digest = {k.digest: i for i, k in enumerate(keys)}
+        for k in missing:
+            n = k.end - k.start
+            take = self._padded(n)
+            i = by_digest[k.digest]
+            parent = keys[i - 1].digest if i > 0 else None
+            node = ChunkNode(
+                key=k.digest,
+                parent=parent,
+                slots=slots[at : at + take],
+                num_tokens=n,
+                ranking=None if ranking is None else ranking[k.start : k.end].clone(),
+                last_access=now,
+            )
+            at += take
+            self._nodes[k.digest] = node
+            self._allocated += take
+            if parent is not None and parent in self._nodes:
+                self._nodes[parent].children += 1
+            new.append(node)
+        return tuple(new), tuple(missing)
+
+    def _padded(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    # ----------------------------------------------------------------- locking
+    def lock(self, nodes: Sequence[ChunkNode]) -> None:
+        for n in nodes:
+            if n.lock_ref == 0:
+                self._locked += n.allocated
+            n.lock_ref += 1
+
+    def unlock(self, nodes: Sequence[ChunkNode]) -> None:
+        for n in nodes:
+            if n.lock_ref <= 0:
+                raise RuntimeError(f"chunk node {n.key[:12]} unlocked more than locked")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._locked -= n.allocated
+
+    # ----------------------------------------------------------------- eviction
+    def evict(self, num_tokens: int) -> int:
+        """Frees unlocked leaf nodes, least recently used first, until ``num_tokens``
+        slots are back in the allocator or none is left; returns the slots freed."""
+        freed = 0
+        while freed < num_tokens:
+            victims = [n for n in self._nodes.values() if n.lock_ref == 0 and n.children == 0]
+            if not victims:
+                break
+            victims.sort(key=lambda n: n.last_access)
+            for n in victims:
+                freed += self._remove(n)
+                if freed >= num_tokens:
+                    break
+        return freed
+
+    def _remove(self, node: ChunkNode) -> int:
+        del self._nodes[node.key]
+        self._allocated -= node.allocated
+        if node.parent is not None and node.parent in self._nodes:
+            self._nodes[node.parent].children -= 1
+        self.allocator.free(node.slots)
+        return node.allocated
+
+    def clear(self, free: bool) -> None:
+        """Drops every node; ``free=False`` when the allocator is being cleared anyway
+        (SGLang's flush_cache resets the tree, then the allocator)."""
+        if any(n.lock_ref for n in self._nodes.values()):
+            raise RuntimeError("cannot clear chunk nodes while a request holds them")
+        if free:
+            for n in list(self._nodes.values()):
+                self._remove(n)
+        self._nodes.clear()
+        self._allocated = 0
+        self._locked = 0

@@ -1,0 +1,145 @@
+"""The host and disk tiers under the device chunk nodes, as the executor uses them.
+
+Records there hold keys before RoPE (CacheTune B.3), under a fingerprint with
+``pre_rope=True``, so their keys never collide with the device nodes' post-RoPE ones. New
+chunks are written through to host memory when phase 1 computes them (the host's writer
+thread then puts them on disk, off the request's path); a lower-tier hit is loaded
+sparsely, layer by layer, only the tokens not recomputed (``LayerFeed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
+from sgl_pic.rope import RopeLayout, rotate_layers
+from sgl_pic.store.base import ChunkKV
+from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
+from sgl_pic.store.tiered import Tier, TieredStore
+
+
+class LowerHit(NamedTuple):
+    """A chunk all of whose segments are in host memory or on disk.
+
+    tier:    the slowest tier any segment is read from ("host" or "disk").
+    keys:    the segments' keys, in order.
+    ranking: # [n] the chunk's CacheTune ranking, or None if a segment has none.
+    """
+
+    tier: Tier
+    keys: tuple[SegmentKey, ...]
+    ranking: torch.Tensor | None
+
+
+class LowerTiers:
+    """store: the tiered host/disk store (its model digest is ``fingerprint.digest()``).
+    fingerprint: the model's fingerprint with ``pre_rope=True``.
+    inv_freq: # [head_dim // 2] RoPE frequencies of the model."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        fingerprint: ModelFingerprint,
+        segment_tokens: int,
+        inv_freq: torch.Tensor,
+        layout: RopeLayout = "neox",
+        device: str = "cpu",
+    ) -> None:
+        if not fingerprint.pre_rope:
+            raise ValueError("lower tiers hold pre-RoPE keys: the fingerprint needs pre_rope=True")
+        if store.model_digest != fingerprint.digest():
+            raise ValueError("the tiered store was built for another model fingerprint")
+        self.store = store
+        self.fingerprint = fingerprint
+        self.model_digest = fingerprint.digest()
+        self.segment_tokens = segment_tokens
+        self.inv_freq = inv_freq
+        self.layout: RopeLayout = layout
+        self.loader = SparseLoader(store, inv_freq, LoaderConfig(layout, device))
+
+    def keys(self, token_ids: Sequence[int]) -> tuple[SegmentKey, ...]:
+        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens)
+
+    def match(self, token_ids: Sequence[int]) -> LowerHit | None:
+        """Whether every segment is held, and the chunk's ranking (read from the record in
+        host memory, or from the file header on disk). Changes no access counts."""
+        keys = self.keys(token_ids)
+        tiers: list[Tier] = []
+        rankings: list[torch.Tensor | None] = []
+        for k in keys:
+            tier = self.store.locate(k.digest)
+            if tier not in ("host", "disk"):
+                return None
+            peek = self.store.peek_ranking(k.digest, token_ids[k.start : k.end])
+            if peek is None:
+                return None
+            tiers.append(tier)
+            rankings.append(peek.ranking)
+        slowest: Tier = "disk" if "disk" in tiers else "host"
+        ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
+        return LowerHit(slowest, keys, ranking)
+
+    def placements(
+        self,
+        hit: LowerHit,
+        token_ids: Sequence[int],
+        chunk_start: int,
+        recompute: torch.Tensor,  # [k] int64 chunk-local indices recomputed (not loaded)
+    ) -> list[ChunkPlacement]:
+        """One placement per segment: where it lands and which of its tokens are loaded."""
+        out = []
+        for k in hit.keys:
+            local = recompute[(recompute >= k.start) & (recompute < k.end)] - k.start
+            out.append(
+                ChunkPlacement(
+                    k.digest,
+                    k.end - k.start,
+                    chunk_start + k.start,
+                    local,
+                    tuple(token_ids[k.start : k.end]),
+                )
+            )
+        return out
+
+    def put_chunk(
+        self,
+        token_ids: Sequence[int],
+        kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K post-RoPE at 0..n-1
+        ranking: torch.Tensor | None,  # [n]
+    ) -> int:
+        """Writes the chunk's segments not yet held (keys un-rotated to pre-RoPE); returns
+        how many were newly kept."""
+        keys = [k for k in self.keys(token_ids) if not self.store.contains(k.digest)]
+        if not keys:
+            return 0
+        n = kv.shape[2]
+        pre = rotate_layers(kv[:, 0], -torch.arange(n), self.inv_freq, self.layout)
+        kept = 0
+        for k in keys:
+            record = ChunkKV(
+                key=k.digest,
+                model_digest=self.model_digest,
+                token_ids=tuple(token_ids[k.start : k.end]),
+                k=pre[:, k.start : k.end].contiguous(),
+                v=kv[:, 1, k.start : k.end].contiguous(),
+                ranking=None if ranking is None else ranking[k.start : k.end].float(),
+            )
+            kept += bool(self.store.put(record))
+        return kept
+
+    def load_full(self, hit: LowerHit, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """# [num_layers, 2, n, num_kv_heads, head_dim], keys post-RoPE at 0..n-1 (the
+        device nodes' form), or None if a segment is gone or bad."""
+        ks, vs = [], []
+        for k in hit.keys:
+            record = self.store.get(k.digest, token_ids[k.start : k.end])
+            if record is None:
+                return None
+            ks.append(record.k)
+            vs.append(record.v)
+        k_pre = torch.cat(ks, dim=1)
+        k_post = rotate_layers(k_pre, torch.arange(k_pre.shape[1]), self.inv_freq, self.layout)
+        return torch.stack([k_post, torch.cat(vs, dim=1).to(k_post.dtype)], dim=1)
