@@ -19,6 +19,34 @@ GROUPS_ATTR = "sgl_pic_attn_groups"
 # LayerFeeds (sgl_pic.integration.layer_feed) whose layer l must be in the pool before
 # layer l attends; set only while phase 2 runs.
 FEEDS_ATTR = "sgl_pic_layer_feeds"
+# A DeviationProbe while CacheBlend's online pass runs.
+PROBE_ATTR = "sgl_pic_deviation_probe"
+
+
+class DeviationProbe:
+    """CacheBlend's signal, caught at the attention of layer ``layer`` (1: the first layer
+    whose K/V depend on context): the fresh K/V of the pass's tokens against the reused
+    K/V already in the pool at ``slots``. The forward is cut there (``ProbeDone``), so the
+    pass costs layer 0 plus one projection, and layers >= ``layer`` write nothing."""
+
+    def __init__(self, slots: torch.Tensor, layer: int = 1) -> None:
+        self.slots = slots  # [n] pool slots of the pass's tokens, in row order
+        self.layer = layer
+        self.deviation: torch.Tensor | None = None  # [n] once caught
+
+    def catch(self, pool: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: # [n, num_kv_heads * head_dim] or [n, num_kv_heads, head_dim]."""
+        n = self.slots.numel()
+        k_old = pool.get_key_buffer(self.layer)[self.slots].reshape(n, -1)
+        v_old = pool.get_value_buffer(self.layer)[self.slots].reshape(n, -1)
+        k_new = k.reshape(n, -1).to(k_old.dtype)
+        v_new = v.reshape(n, -1).to(v_old.dtype)
+        self.deviation = ((k_new - k_old).norm(dim=1) + (v_new - v_old).norm(dim=1)).float()
+        raise ProbeDone
+
+
+class ProbeDone(Exception):
+    """Ends a deviation pass once its probe has caught layer ``layer``'s K/V."""
 
 
 class AttnGroup(NamedTuple):
@@ -115,6 +143,9 @@ def torch_native_forward_extend_hook(
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) not in (None, -1):
         raise NotImplementedError("sgl_pic: cross attention and sliding windows are unsupported")
+    probe = getattr(forward_batch, PROBE_ATTR, None)
+    if probe is not None and layer.layer_id == probe.layer and k is not None and v is not None:
+        probe.catch(backend.token_to_kv_pool, k, v)
     for feed in getattr(forward_batch, FEEDS_ATTR, None) or ():
         feed.before_layer(layer.layer_id)
     return grouped_forward_extend(

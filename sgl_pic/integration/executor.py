@@ -35,7 +35,14 @@ from typing import Any
 import torch
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration.attention import FEEDS_ATTR, GROUPS_ATTR, AttnGroup
+from sgl_pic.integration.attention import (
+    FEEDS_ATTR,
+    GROUPS_ATTR,
+    PROBE_ATTR,
+    AttnGroup,
+    DeviationProbe,
+    ProbeDone,
+)
 from sgl_pic.integration.chunk_nodes import ChunkNode, ChunkNodeTable
 from sgl_pic.integration.kv_access import KVAccess, single_thread
 from sgl_pic.integration.layer_feed import LayerFeed
@@ -329,7 +336,7 @@ class ChunkExecutor:
                 key_slots = req_to_token[idx, : p + e].to(torch.int64)
                 q_pos = positions[row_in : row_in + e].to(torch.int64)
             else:
-                sel = self._select(plan)
+                sel = self._select(plan, lambda plan=plan: self._deviation(run, fb, plan))
                 sel_rows = plan.row_offset + (sel - plan.prefix)
                 key_slots = plan.slots
                 q_pos = sel
@@ -361,18 +368,14 @@ class ChunkExecutor:
         hidden[torch.cat(rows)] = out
         return hidden
 
-    def _select(self, plan: _Plan) -> torch.Tensor:
-        """Global positions recomputed for this request (# [k] int64, sorted, >= prefix)."""
+    def _select(self, plan: _Plan, deviation: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Global positions recomputed for this request (# [k] int64, sorted, >= prefix).
+        ``deviation()`` runs CacheBlend's online pass; only policies needing it call it."""
         t0 = time.perf_counter()
         layout = plan.pending.request.layout
         plan.config = self._calibrated(plan)
         policy = make_policy(plan.config)
-        if policy.needs_deviation:
-            raise NotImplementedError(
-                f"policy {plan.config.policy!r} needs CacheBlend's online deviation, which the "
-                "SGLang integration does not compute yet"
-            )
-        ctx = SelectionContext(layout, tuple(plan.rankings), None, plan.prefix)
+        ctx = SelectionContext(layout, tuple(plan.rankings), deviation, plan.prefix)
         chosen = finalize(policy.select(ctx), layout, plan.prefix).indices
         assert plan.selected is not None
         sel = torch.unique(torch.cat([chosen, plan.selected]))
@@ -384,6 +387,45 @@ class ChunkExecutor:
             selection_seconds=time.perf_counter() - t0,
         )
         return sel
+
+    def _deviation(self, run: Callable[..., torch.Tensor], fb: Any, plan: _Plan) -> torch.Tensor:
+        """CacheBlend's online signal # [prompt_len]: every token past the device prefix runs
+        layer 0 against the assembled KV, and its layer-1 K/V are compared with the reused
+        ones. Needs every reused token in the pool first, so lower-tier chunks are loaded
+        whole here (CacheBlend compares against all of them) instead of sparsely later."""
+        if plan.lower:
+            feed = self._feed(plan, torch.empty(0, dtype=torch.int64))
+            for layer in range(self.kv.num_layers):
+                feed.before_layer(layer)
+            self.metrics.bytes_loaded.inc(feed.bytes_moved)
+            self.metrics.bytes_dense.inc(feed.bytes_dense)
+            plan.lower.clear()
+        toks = plan.pending.token_ids
+        n = len(toks)
+        pos = torch.arange(plan.prefix, n)
+        slots = plan.slots[plan.prefix :]
+        probe = DeviationProbe(slots)
+        setattr(fb, PROBE_ATTR, probe)
+        try:
+            self._run_phase(
+                run,
+                fb,
+                torch.tensor(toks[plan.prefix :], dtype=torch.int64),
+                pos,
+                slots,
+                [AttnGroup(0, n - plan.prefix, plan.slots, pos)],
+            )
+        except ProbeDone:
+            pass
+        finally:
+            setattr(fb, PROBE_ATTR, None)
+        if probe.deviation is None:
+            raise RuntimeError("the deviation pass ended without reaching layer 1")
+        dev = torch.zeros(n)
+        dev[plan.prefix :] = probe.deviation.cpu()
+        fresh = plan.pending.request.layout.fresh_indices()
+        dev[torch.tensor(fresh, dtype=torch.int64)] = 0.0
+        return dev
 
     def _calibrated(self, plan: _Plan) -> PicConfig:
         """The request's config with CacheTune's r set to the calibrated r of the slowest

@@ -36,7 +36,6 @@ from sgl_pic.integration.spans import (
 from sgl_pic.layout import LayoutError, PaddedPrompt, PromptLayout, pad_chunk_starts
 
 PREFIX_NAMESPACE = "sgl_pic:"
-UNSUPPORTED_POLICIES = frozenset({"cacheblend"})  # needs online deviation: not wired yet
 GENERATE_PATH = "/generate"
 CHAT_PATH = "/v1/chat/completions"
 
@@ -137,11 +136,7 @@ class RequestTranslator:
         unknown = sorted(set(pic) - {"config"})
         if unknown:
             raise LayoutError(f"unknown field(s) {unknown} in 'pic'; allowed: config")
-        overrides = check_overrides(pic.get("config"), self.config)
-        policy = overrides.get("policy", self.config.policy)
-        if policy in UNSUPPORTED_POLICIES:
-            raise LayoutError(f"policy {policy!r} is not supported by the SGLang integration")
-        return overrides
+        return check_overrides(pic.get("config"), self.config)
 
     def generate(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The rewritten request, or None when it carries no chunk marks.

@@ -92,6 +92,39 @@ def test_last_token_logits_match_oracle(server: Server) -> None:
     assert max(abs(float(full[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
 
 
+def test_cacheblend_online_deviation_matches_oracle(server: Server) -> None:
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.model.embedded import ensure_embedded_model
+    from sgl_pic.oracle import Oracle
+    from sgl_pic.selection import make_policy
+
+    toks, spans = chunked(["D", "E", "A"], "Which city has a port?", header="Yak memo.\n")
+    req = body(toks, spans, n=1, policy="cacheblend", cacheblend_ratio=0.3)
+    req.update(return_logprob=True, top_logprobs_num=8)
+    before = server.metrics()
+    out, d = _delta(server, req)
+    after = server.metrics()
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert d["sgl_pic_failures_total"] == 0
+    recomputed = (
+        after["sgl_pic_recomputed_tokens_total"] - before["sgl_pic_recomputed_tokens_total"]
+    )
+
+    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
+    t = torch.tensor(toks)
+    layout = PromptLayout.from_spans(len(toks), spans)
+    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
+    policy = make_policy(PicConfig(policy="cacheblend", cacheblend_ratio=0.3))
+    res = oracle.reuse(t, layout, chunks, policy)
+    # Same deviation, same selection: the server recomputed exactly the oracle's set size
+    # (a different set of the same size would show in the logits below).
+    assert recomputed == res.computed.indices.numel()
+    ref = torch.log_softmax(res.logits.double(), -1)
+    for logprob, token_id, _ in out["meta_info"]["output_top_logprobs"][0]:
+        assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
+
+
 @pytest.mark.parametrize(
     ("req", "needle"),
     [
