@@ -1,0 +1,75 @@
+"""``--pic-calibrate`` through the server: r per tier is measured, stored, exported and used."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from tests.integration.prompts import body, chunked
+from tests.integration.server import Server, launch
+
+pytestmark = pytest.mark.sglang
+
+R_FLOOR = 0.3  # --pic-cachetune-r: the search's floor, distinct from the override below
+R_FIXED = 0.15
+
+
+def _expected_recomputed(toks: list[int], spans: list[list[int]], r: float) -> int:
+    """What the executor recomputes for a cachetune request at ratio r (no device prefix):
+    the count does not depend on the ranking's values, only on r and the layout."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.selection import SelectionContext, finalize, make_policy
+
+    layout = PromptLayout.from_spans(len(toks), spans)
+    rankings = tuple(torch.arange(s.length, dtype=torch.float32) for s in layout.chunks)
+    policy = make_policy(PicConfig(policy="cachetune", cachetune_r=r))
+    return int(finalize(policy.select(SelectionContext(layout, rankings)), layout).indices.numel())
+
+
+def _recomputed(server: Server, req: dict) -> tuple[float, dict[str, float]]:
+    before = server.metrics()
+    r = server.generate(req)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["cached_tokens"] == 0
+    after = server.metrics()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return delta["sgl_pic_recomputed_tokens_total"], delta
+
+
+def test_calibrated_r_is_stored_exported_and_used() -> None:
+    disk = tempfile.mkdtemp(prefix="sgl_pic_calib_")
+    args = ("--pic-calibrate", "--pic-policy", "cachetune", "--pic-cachetune-r", str(R_FLOOR))
+    with launch(*args, "--pic-disk-cache-dir", disk) as server:
+        stored = json.loads((Path(disk) / "calibration.json").read_text())
+        assert set(stored["tiers"]) == {"host", "disk"}
+        assert stored["r_min"] == R_FLOOR
+        m = server.metrics()
+        r_host = m['sgl_pic_calibrated_r{tier="host"}']
+        assert r_host == pytest.approx(stored["tiers"]["host"]["r"])
+        assert R_FLOOR <= r_host <= 1.0
+        assert m['sgl_pic_calibrated_r{tier="device"}'] == pytest.approx(R_FLOOR)
+
+        first = chunked(["A", "B", "C"], "Which city lies on the equator?", header="Ibis.\n")
+        assert server.generate(body(*first)).status_code == 200  # computes the chunks
+
+        # Chunk nodes are flushed with SGLang's tree; host memory keeps the chunks.
+        requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+        toks, spans = chunked(["C", "A", "B"], "Where do rivers meet?", header="Heron.\n")
+        got, d = _recomputed(server, body(toks, spans))
+        assert d['sgl_pic_tier_hits_total{tier="host"}'] == 3
+        assert got == _expected_recomputed(toks, spans, r_host)
+
+        requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+        toks, spans = chunked(["B", "C", "A"], "Which city has temples?", header="Egret.\n")
+        pinned = body(toks, spans, cachetune_r=R_FIXED)  # the request's own r wins
+        got, d = _recomputed(server, pinned)
+        assert d['sgl_pic_tier_hits_total{tier="host"}'] == 3
+        assert got == _expected_recomputed(toks, spans, R_FIXED)
+        assert got < _expected_recomputed(toks, spans, r_host)
+        assert server.metrics()["sgl_pic_failures_total"] == 0
