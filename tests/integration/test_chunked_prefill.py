@@ -1,0 +1,61 @@
+"""Prompts longer than SGLang's --chunked-prefill-size: the pieces before the last run as
+SGLang's exact prefill; the last piece reuses the chunks that lie wholly inside it, with
+everything before it as device prefix (hit-aware refinement)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.prompts import body, chunked
+from tests.integration.server import Server, launch
+
+pytestmark = pytest.mark.sglang
+
+PIECE = 64
+NAMES = ["A", "B", "C", "D", "E"]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with launch("--chunked-prefill-size", str(PIECE)) as s:
+        yield s
+
+
+def _run(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
+    before = server.metrics()
+    r = server.generate(req)
+    assert r.status_code == 200, r.text
+    after = server.metrics()
+    return r.json(), {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def test_long_prompt_reuses_chunks_of_its_last_piece(server: Server) -> None:
+    # Cache the chunks where they land past the first piece in either order.
+    for names in (NAMES, NAMES[::-1]):
+        toks, spans = chunked(names, "Name a city.", header="Pelican log.\n")
+        assert len(toks) > PIECE
+        assert server.generate(body(toks, spans, n=1)).status_code == 200
+
+    toks, spans = chunked(NAMES[1:] + NAMES[:1], "Which city is on the equator?", header="Owl.\n")
+    plain, _ = _run(server, body(toks, None))
+    exact, d = _run(server, body(toks, spans, policy="full_recompute"))
+    # Everything recomputed on top of an exact prefix: SGLang's own output.
+    assert exact["output_ids"] == plain["output_ids"]
+    assert d["sgl_pic_fallbacks_total"] >= 1  # the pieces before the last
+    hits = (
+        d['sgl_pic_chunk_hits_total{kind="contiguous"}']
+        + d['sgl_pic_chunk_hits_total{kind="disjoint"}']
+    )
+    last_start = (len(toks) - 1) // PIECE * PIECE
+    inside_last = sum(1 for s, _ in spans if s >= last_start)
+    assert hits >= inside_last >= 1
+    assert d["sgl_pic_failures_total"] == 0
+
+    toks, spans = chunked(NAMES[2:] + NAMES[:2], "Where do rivers meet?", header="Crane.\n")
+    _, d = _run(server, body(toks, spans))  # daric, the default
+    assert d["sgl_pic_failures_total"] == 0
+    # Chunks that only ever sat in a first piece were never encoded alone, so the last
+    # piece may miss some; those it finds are reused.
+    assert d["sgl_pic_reused_tokens_total"] > 0
