@@ -1,21 +1,50 @@
-"""With full_recompute, chunked requests through sgl_pic give vanilla SGLang's tokens."""
+"""At a 100% recompute budget, chunked requests through sgl_pic give vanilla SGLang's tokens.
+
+One vanilla server (``--pic-disable``) gives the reference tokens; one sgl_pic server runs
+every policy that can reach 100%: its own default (CacheTune with r = 1.0, set by flag), and
+per-request overrides for ``full_recompute`` and DARIC with an n_avg above every segment.
+Each variant sends its requests under its own ``extra_key``, hence its own prefix namespace:
+no request is served from the device prefix another variant left behind, so every token of
+every prompt goes through the reuse path (chunk lookups, phase 1 for misses, phase 2
+recomputing all of it), while the chunk store is shared and later variants hit in it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
 from tests.integration.prompts import body, chunked
-from tests.integration.server import launch
+from tests.integration.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 
 # The second and third prompts reuse chunks of the first (in another order), so the store
-# path runs; full_recompute must still recompute every new token.
+# path runs; at 100% every new token must still be recomputed.
 CASES = [
     (["A", "B", "C"], "Which city lies on the equator?"),
     (["C", "A", "B"], "Where do two rivers meet?"),
     (["B", "D", "C"], "When is the midnight sun seen in Tromso?"),
 ]
+CONTIG = 'sgl_pic_chunk_hits_total{kind="contiguous"}'
+DISJOINT = 'sgl_pic_chunk_hits_total{kind="disjoint"}'
+KEYS = (
+    CONTIG,
+    DISJOINT,
+    "sgl_pic_requests_total",
+    "sgl_pic_chunk_lookups_total",
+    "sgl_pic_chunk_misses_total",
+    "sgl_pic_chunk_device_prefix_total",
+    "sgl_pic_recomputed_tokens_total",
+    "sgl_pic_new_tokens_total",
+    "sgl_pic_reused_tokens_total",
+    "sgl_pic_failures_total",
+    "sgl_pic_fallbacks_total",
+)
+# DARIC at n_avg = 4096: n_2 = r n_avg = 409.6 tokens (default r = 0.1), more than any
+# segment here, and the rest grow from there, so every segment but the first is selected.
+DARIC_ALL = {"policy": "daric", "daric_n_avg": 4096.0}
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +59,82 @@ def vanilla_outputs() -> list[list[int]]:
         return outs
 
 
-def test_full_recompute_equals_vanilla(vanilla_outputs: list[list[int]]) -> None:
-    with launch("--pic-policy", "full_recompute") as server:
-        for (names, question), expected in zip(CASES, vanilla_outputs, strict=True):
-            toks, spans = chunked(names, question)
-            r = server.generate(body(toks, spans, n=16))
-            assert r.status_code == 200, r.text
-            assert r.json()["output_ids"] == expected, (names, question)
-        m = server.metrics()
-        # The chunked path really ran: every request went through it, chunks were hit.
-        assert m["sgl_pic_requests_total"] == len(CASES)
-        assert m["sgl_pic_failures_total"] == 0
-        hits = (
-            m['sgl_pic_chunk_hits_total{kind="contiguous"}']
-            + m['sgl_pic_chunk_hits_total{kind="disjoint"}']
-        )
-        assert hits >= 4
-        assert m["sgl_pic_recomputed_tokens_total"] == m["sgl_pic_new_tokens_total"]
+@pytest.fixture(scope="module")
+def full_budget_server() -> Iterator[Server]:
+    with launch("--pic-policy", "cachetune", "--pic-cachetune-r", "1.0") as server:
+        yield server
+
+
+def _spans(names: list[str], question: str, first_token_fresh: bool) -> tuple[list, list]:
+    toks, spans = chunked(names, question)
+    if first_token_fresh:
+        # DARIC (like EPIC) never selects the first segment: a chunk at position 0 keeps its
+        # independent KV, which is its prefix KV in exact arithmetic but not bit for bit.
+        # With the prompt's first token left outside every chunk, that first segment is one
+        # fresh token (always computed) and DARIC can select everything after it. Same token
+        # ids, so vanilla's outputs still apply; the shortened first chunk has its own key.
+        spans[0][0] += 1
+    return toks, spans
+
+
+def _selects_everything(toks: list[int], spans: list[list[int]], overrides: dict) -> bool:
+    """Whether the policy of ``overrides`` recomputes every token of this prompt offline."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.selection import SelectionContext, finalize, make_policy
+
+    layout = PromptLayout.from_spans(len(toks), spans)
+    policy = make_policy(PicConfig().with_overrides(**overrides))
+    sel = finalize(policy.select(SelectionContext(layout)), layout, 0).indices
+    return sel.tolist() == list(range(len(toks)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "first_token_fresh", "min_hits"),
+    [
+        # The server's own default: CacheTune, r = 1.0 by flag (no per-request config).
+        pytest.param({}, False, 5, id="cachetune_r1_server_default"),
+        pytest.param({"policy": "cachetune", "cachetune_r": 1.0}, False, 5, id="cachetune_r1"),
+        pytest.param({"policy": "full_recompute"}, False, 5, id="full_recompute"),
+        pytest.param(DARIC_ALL, True, 2, id="daric_n_avg_4096"),
+    ],
+)
+def test_full_budget_equals_vanilla(
+    vanilla_outputs: list[list[int]],
+    full_budget_server: Server,
+    overrides: dict,
+    first_token_fresh: bool,
+    min_hits: int,
+) -> None:
+    server = full_budget_server
+    namespace = "exactness-" + "-".join(f"{k}={v}" for k, v in overrides.items())
+    before = server.metrics()
+    total_tokens = 0
+    for (names, question), expected in zip(CASES, vanilla_outputs, strict=True):
+        toks, spans = _spans(names, question, first_token_fresh)
+        if overrides.get("policy") == "daric":
+            assert _selects_everything(toks, spans, overrides), "DARIC budget below 100%"
+        req = body(toks, spans, n=16, **overrides)
+        req["extra_key"] = namespace
+        r = server.generate(req)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["output_ids"] == expected, (overrides, names, question)
+        # Nothing came from the device prefix: the whole prompt ran through reuse.
+        assert out["meta_info"]["cached_tokens"] == 0, (names, out["meta_info"])
+        total_tokens += len(toks)
+    after = server.metrics()
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in KEYS}
+    # The chunked path really ran for every request, chunks were hit, nothing failed.
+    assert d["sgl_pic_requests_total"] == len(CASES)
+    assert d["sgl_pic_failures_total"] == 0
+    assert d["sgl_pic_fallbacks_total"] == 0
+    assert d["sgl_pic_chunk_lookups_total"] == sum(len(names) for names, _ in CASES)
+    assert d["sgl_pic_chunk_device_prefix_total"] == 0
+    hits = d[CONTIG] + d[DISJOINT]
+    assert hits >= min_hits, d
+    assert hits + d["sgl_pic_chunk_misses_total"] == d["sgl_pic_chunk_lookups_total"]
+    # 100%: every token of every prompt recomputed, none of the reused KV kept.
+    assert d["sgl_pic_new_tokens_total"] == total_tokens
+    assert d["sgl_pic_recomputed_tokens_total"] == d["sgl_pic_new_tokens_total"]
+    assert d["sgl_pic_reused_tokens_total"] == 0
