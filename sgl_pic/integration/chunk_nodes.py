@@ -150,14 +150,25 @@ class ChunkNodeTable:
         if not missing:
             return (), ()
         need = sum(self._padded(k.end - k.start) for k in missing)
-        if need > self.capacity_tokens:
-            return None
-        over = self._allocated + need - self.capacity_tokens
-        if over > 0:
-            self.evict(over)
-            if self._allocated + need > self.capacity_tokens:
+        # The chunk's segments already held are its new nodes' ancestors: they must
+        # survive the eviction below, so they are locked for it.
+        held = [self._nodes[k.digest] for k in keys if k.digest in self._nodes]
+        self.lock(held)
+        try:
+            over = self._allocated + need - self.capacity_tokens
+            # Every unlocked node can go (locks cover whole chunks, so a locked node's
+            # ancestors are locked too): refuse before evicting anything if that is not
+            # enough, or the pool cannot give the slots even then.
+            if over > self.evictable_tokens:
                 return None
-        slots = self.allocator.alloc(need)
+            short = need - (self.allocator.available_size() + max(over, 0))
+            if short > self.evictable_tokens - max(over, 0):
+                return None
+            if over > 0 or short > 0:
+                self.evict(max(over, 0) + max(short, 0))
+            slots = self.allocator.alloc(need)
+        finally:
+            self.unlock(held)
         if slots is None:
             return None
         now = next(self._clock)

@@ -45,7 +45,7 @@ from sgl_pic.integration.attention import (
 )
 from sgl_pic.integration.chunk_nodes import ChunkNode, ChunkNodeTable
 from sgl_pic.integration.kv_access import KVAccess, single_thread
-from sgl_pic.integration.layer_feed import LayerFeed
+from sgl_pic.integration.layer_feed import LayerFeed, MissingChunkError
 from sgl_pic.integration.lower_tiers import LowerHit, LowerTiers
 from sgl_pic.integration.metrics import PicMetrics, RequestStats
 from sgl_pic.integration.spans import PicRequest
@@ -127,43 +127,52 @@ class ChunkExecutor:
             return None
         prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
         ext_lens = list(forward_batch.extend_seq_lens_cpu)
-        plans: dict[int, _Plan] = {}
+        specs: dict[int, tuple[int, int, torch.Tensor, Pending, PicConfig]] = {}
         row = 0
         for b, idx in enumerate(pool_idx):
             pending = self.pending.pop(idx, None)
             total = prefix_lens[b] + ext_lens[b]
             if pending is not None:
                 if total != len(pending.token_ids) or _wants_input_logprobs(forward_batch, b):
-                    # A chunked-prefill piece, or logprobs of input tokens (rows this path
-                    # leaves zero): run it as SGLang would.
+                    # A chunked-prefill piece before the last, or logprobs of input tokens
+                    # (rows this path leaves zero): run it as SGLang would.
                     logger.warning("sgl_pic: request in pool slot %d runs without reuse", idx)
                     self.metrics.fallbacks.inc()
                 else:
-                    plans[b] = _Plan(
-                        row,
-                        prefix_lens[b],
-                        req_to_token[idx, :total].to(torch.int64),
-                        pending,
-                        pending.request.config(self.config),
-                    )
+                    slots = req_to_token[idx, :total].to(torch.int64)
+                    config = pending.request.config(self.config)
+                    specs[b] = (row, prefix_lens[b], slots, pending, config)
             row += ext_lens[b]
-        if not plans:
+        if not specs:
             return None
 
-        t0 = time.perf_counter()
-        try:
-            with single_thread():
-                self._assemble(plans)
-            self._phase1(run, forward_batch, plans)
-            t1 = time.perf_counter()
-            hidden = self._phase2(
-                run, input_ids, positions, forward_batch, req_to_token, pool_idx, plans
-            )
-            t2 = time.perf_counter()
-            with single_thread():
-                self._promote(plans)
-        finally:
-            self._release(plans)
+        for attempt in range(2):
+            plans = {b: _Plan(*spec) for b, spec in specs.items()}
+            t0 = time.perf_counter()
+            try:
+                with single_thread():
+                    self._assemble(plans)
+                self._phase1(run, forward_batch, plans)
+                t1 = time.perf_counter()
+                hidden = self._phase2(
+                    run, input_ids, positions, forward_batch, req_to_token, pool_idx, plans
+                )
+                t2 = time.perf_counter()
+                with single_thread():
+                    self._promote(plans)
+                break
+            except MissingChunkError:
+                # A host/disk record failed its checks mid-load; the store has counted and
+                # dropped it. Every slot the attempt wrote is written again by the next
+                # one, where that chunk misses and is recomputed (and stored afresh).
+                if attempt:
+                    raise
+                logger.warning("sgl_pic: a stored chunk went bad while loading; retrying")
+                self.metrics.retries.inc()
+            finally:
+                self._release(plans)
+                if self.lower is not None:
+                    self.metrics.record_store_errors(self.lower.store.stats().errors)
         logger.info(
             "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
             "select+phase 2 %.3f s, recomputed %s",
@@ -176,8 +185,6 @@ class ChunkExecutor:
             assert plan.stats is not None
             self.metrics.record(plan.stats)
         self.metrics.node_tokens.set(self.nodes.allocated_tokens)
-        if self.lower is not None:
-            self.metrics.record_store_errors(self.lower.store.stats().errors)
         return hidden
 
     # ----------------------------------------------------------------- phase 1

@@ -38,10 +38,15 @@ class PicMetrics:
         self.requests = Counter("sgl_pic_requests", "Chunked requests executed")
         self.fallbacks = Counter(
             "sgl_pic_fallbacks",
-            "Chunked requests run without reuse (split by chunked prefill, or input logprobs)",
+            "Chunked request pieces run without reuse (chunked-prefill pieces before the last, "
+            "or input logprobs)",
         )
         self.failures = Counter(
             "sgl_pic_failures", "Batches whose chunk execution failed and ran without reuse"
+        )
+        self.retries = Counter(
+            "sgl_pic_retries",
+            "Batches run again after a stored chunk failed its checks while loading",
         )
         self.chunks = Counter("sgl_pic_chunk_lookups", "Chunks looked up")
         self.hits = Counter("sgl_pic_chunk_hits", "Chunk store hits", ["kind"])

@@ -1,0 +1,290 @@
+"""LayerFeed: per-layer sparse loading of lower-tier chunk KV into (fake) pool slots.
+
+The records are real: written with ``LowerTiers.put_chunk`` into a host + disk
+``TieredStore`` from post-RoPE KV; the pool is a ``FakePool`` filled with a sentinel so
+any write outside the reused rows shows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_pic.integration.kv_access import KVAccess
+from sgl_pic.integration.layer_feed import FEED_MODES, LayerFeed, MissingChunkError
+from sgl_pic.integration.lower_tiers import LowerTiers
+from sgl_pic.keys import ModelFingerprint
+from sgl_pic.rope import apply_rope, default_inv_freq
+from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.host import HostStoreConfig
+from sgl_pic.store.loader import ChunkPlacement, FetchedLayer, LoaderConfig, SparseLoader
+from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
+from tests.integration.fakes import SENTINEL, ChunkData, FakePool, chunk_data
+
+LAYERS, HEADS, DIM, SEG = 4, 2, 8, 4
+INV_FREQ = default_inv_freq(DIM, 10000.0)
+FP = ModelFingerprint(model_id="test-model", dtype="float32", pre_rope=True)
+ROW_BYTES = HEADS * DIM * 4
+POOL = 64
+PROMPT = 22
+
+# (seed, length, offset in the prompt, chunk-local recomputed indices). Chunk A's second
+# segment (local 4..7) is recomputed whole: none of it is moved.
+CHUNKS = ((1, 10, 3, [0, 4, 5, 6, 7]), (2, 6, 14, [2, 5]))
+REUSED_ROWS = sum(n - len(rec) for _, n, _, rec in CHUNKS)
+CHUNK_TOKENS = sum(n for _, n, _, _ in CHUNKS)
+
+
+class Setup:
+    def __init__(self, root: Path, disk_bytes: int) -> None:
+        cfg = TieredStoreConfig(
+            host=HostStoreConfig(capacity_bytes=1 << 22, pin_memory=False),
+            disk=DiskStoreConfig(root=str(root), capacity_bytes=disk_bytes),
+            promote_on_get_layers=False,
+        )
+        self.store = TieredStore(cfg, FP.digest())
+        self.lower = LowerTiers(self.store, FP, SEG, INV_FREQ)
+        self.chunks: list[tuple[ChunkData, int, list[int]]] = []
+        self.placements: list[ChunkPlacement] = []
+        for seed, n, offset, rec in CHUNKS:
+            c = chunk_data(seed, n, LAYERS, HEADS, DIM, INV_FREQ)
+            self.lower.put_chunk(c.tokens, c.kv, c.ranking)
+            hit = self.lower.match(c.tokens)
+            assert hit is not None and hit.tier == "host"
+            self.placements += self.lower.placements(hit, c.tokens, offset, torch.tensor(rec))
+            self.chunks.append((c, offset, rec))
+        g = torch.Generator().manual_seed(0)
+        # The request's slots, by global position: scattered over the pool, never slot 0.
+        self.slots = torch.randperm(POOL - 1, generator=g)[:PROMPT] + 1
+        self.store.flush()
+
+    def feed(
+        self, mode: str, pool: FakePool, depth: int = 2, loader: SparseLoader | None = None
+    ) -> LayerFeed:
+        kv = KVAccess(pool, LAYERS, INV_FREQ)
+        return LayerFeed(
+            loader or self.lower.loader,
+            self.placements,
+            self.slots,
+            kv,
+            LAYERS,
+            mode=mode,
+            depth=depth,
+            timeout_s=20.0,
+        )
+
+    def expected_pool(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """# [LAYERS, POOL, HEADS, DIM] K and V once layers 0..upto-1 are fed."""
+        k = torch.full((LAYERS, POOL, HEADS, DIM), SENTINEL)
+        v = k.clone()
+        for c, offset, rec in self.chunks:
+            reuse = [i for i in range(len(c.tokens)) if i not in rec]
+            idx = torch.tensor(reuse)
+            dest = self.slots[offset + idx]
+            for layer in range(upto):
+                k[layer, dest] = apply_rope(c.pre_k[layer, idx], offset + idx, INV_FREQ)
+                v[layer, dest] = c.v[layer, idx]
+        return k, v
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[Setup]:
+    s = Setup(tmp_path, disk_bytes=1 << 22)
+    yield s
+    s.store.close()
+
+
+@pytest.fixture
+def host_only(tmp_path: Path) -> Iterator[Setup]:
+    """Records in host memory only (the disk takes nothing), so dropping them there
+    makes them unreadable."""
+    s = Setup(tmp_path, disk_bytes=0)
+    assert all(
+        s.store.locate(p.key) == "host" and not s.store.disk.contains(p.key) for p in s.placements
+    )
+    yield s
+    s.store.close()
+
+
+def feed_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "sgl-pic-feed"}
+
+
+def run(s: Setup, mode: str, pool: FakePool, depth: int = 2) -> LayerFeed:
+    feed = s.feed(mode, pool, depth)
+    before = feed_threads()
+    feed.start()
+    workers = feed_threads() - before
+    assert len(workers) == (1 if mode == "threaded" else 0)
+    try:
+        for layer in range(LAYERS):
+            moved, dense, tokens = feed.bytes_moved, feed.bytes_dense, feed.tokens_moved
+            feed.before_layer(layer)
+            assert feed.bytes_moved - moved == 2 * REUSED_ROWS * ROW_BYTES
+            assert feed.bytes_dense - dense == 2 * CHUNK_TOKENS * ROW_BYTES
+            assert feed.tokens_moved - tokens == REUSED_ROWS
+            k, v = s.expected_pool(layer + 1)
+            got_k, got_v = pool.snapshot()
+            torch.testing.assert_close(got_k, k, atol=1e-5, rtol=0)
+            assert torch.equal(got_v, v)  # later layers still all sentinel
+        assert feed.done
+    finally:
+        feed.close()
+    assert not any(w.is_alive() for w in workers)
+    return feed
+
+
+@pytest.mark.parametrize("mode", FEED_MODES)
+def test_writes_exactly_the_reused_rows_rotated_into_their_slots(setup, mode) -> None:
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed = run(setup, mode, pool)
+    assert feed.bytes_moved == LAYERS * 2 * REUSED_ROWS * ROW_BYTES
+    assert feed.bytes_dense == LAYERS * 2 * CHUNK_TOKENS * ROW_BYTES
+
+
+def test_threaded_and_inorder_fill_the_pool_identically(setup) -> None:
+    pools = {mode: FakePool(POOL, LAYERS, HEADS, DIM) for mode in ("threaded", "inorder")}
+    for mode, pool in pools.items():
+        run(setup, mode, pool, depth=1 if mode == "threaded" else 2)
+    (k1, v1), (k2, v2) = (p.snapshot() for p in pools.values())
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("mode", FEED_MODES)
+def test_layers_must_come_in_order(setup, mode) -> None:
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed = setup.feed(mode, pool)
+    feed.start()
+    try:
+        with pytest.raises(RuntimeError, match="expected layer 0"):
+            feed.before_layer(1)
+        untouched = pool.snapshot()
+        assert all(torch.equal(a, torch.full_like(a, SENTINEL)) for a in untouched)
+        feed.before_layer(0)
+        with pytest.raises(RuntimeError, match="expected layer 1"):
+            feed.before_layer(0)
+        with pytest.raises(RuntimeError, match="expected layer 1"):
+            feed.before_layer(2)
+        feed.before_layer(1)
+        assert not feed.done
+    finally:
+        feed.close()
+
+
+@pytest.mark.parametrize("mode", FEED_MODES)
+def test_a_record_dropped_mid_way_raises_missing_chunk(host_only, mode) -> None:
+    s = host_only
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed = s.feed(mode, pool, depth=1)
+    before = feed_threads()
+    feed.start()
+    workers = feed_threads() - before
+    t0 = time.monotonic()
+    try:
+        feed.before_layer(0)
+        # The worker may already be fetching layer 1, never layer 2 (depth 1).
+        s.store.evict(1 << 30)
+        assert not any(s.store.contains(p.key) for p in s.placements)
+        with pytest.raises(MissingChunkError):
+            for layer in range(1, LAYERS):
+                feed.before_layer(layer)
+                assert layer < 2, "layer 2 cannot have been fetched before the drop"
+    finally:
+        feed.close()
+    assert time.monotonic() - t0 < 10.0  # an error, not a wait for the timeout
+    assert not any(w.is_alive() for w in workers)
+    k, v = pool.snapshot()
+    want_k, want_v = s.expected_pool(1)
+    torch.testing.assert_close(k[0], want_k[0], atol=1e-5, rtol=0)
+    assert torch.equal(v[0], want_v[0])
+    assert torch.equal(k[2:], want_k[2:]) and torch.equal(v[2:], want_v[2:])  # sentinel
+
+
+def test_close_stops_an_idle_worker(setup) -> None:
+    feed = setup.feed("threaded", FakePool(POOL, LAYERS, HEADS, DIM))
+    before = feed_threads()
+    feed.start()
+    workers = feed_threads() - before
+    assert len(workers) == 1
+    t0 = time.monotonic()
+    feed.close()  # nothing consumed: the worker waits for room ahead of the forward
+    assert time.monotonic() - t0 < 5.0
+    assert not any(w.is_alive() for w in workers)
+
+
+class CountingLoader(SparseLoader):
+    def __init__(self, store: TieredStore) -> None:
+        super().__init__(store, INV_FREQ, LoaderConfig())
+        self.fetched: list[int] = []
+
+    def fetch_layer(self, chunks, layer: int) -> FetchedLayer:  # noqa: ANN001
+        self.fetched.append(layer)
+        return super().fetch_layer(chunks, layer)
+
+
+def wait_for(cond, timeout: float = 5.0) -> bool:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_worker_stays_at_most_depth_layers_ahead(setup) -> None:
+    loader = CountingLoader(setup.store)
+    feed = setup.feed("threaded", FakePool(POOL, LAYERS, HEADS, DIM), depth=2, loader=loader)
+    feed.start()
+    try:
+        assert wait_for(lambda: len(loader.fetched) == 2)
+        time.sleep(0.3)
+        assert loader.fetched == [0, 1]
+        feed.before_layer(0)
+        assert wait_for(lambda: len(loader.fetched) == 3)
+        time.sleep(0.3)
+        assert loader.fetched == [0, 1, 2]
+    finally:
+        feed.close()
+
+
+def test_inorder_fetches_on_demand(setup) -> None:
+    loader = CountingLoader(setup.store)
+    feed = setup.feed("inorder", FakePool(POOL, LAYERS, HEADS, DIM), loader=loader)
+    feed.start()
+    assert loader.fetched == []
+    feed.before_layer(0)
+    feed.before_layer(1)
+    assert loader.fetched == [0, 1]
+    feed.close()
+
+
+def test_everything_recomputed_writes_nothing(setup) -> None:
+    full = [
+        ChunkPlacement(p.key, p.num_tokens, p.offset, torch.arange(p.num_tokens), p.token_ids)
+        for p in setup.placements
+    ]
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed = LayerFeed(
+        setup.lower.loader, full, setup.slots, KVAccess(pool, LAYERS, INV_FREQ), LAYERS
+    )
+    feed.start()
+    try:
+        for layer in range(LAYERS):
+            feed.before_layer(layer)
+    finally:
+        feed.close()
+    assert feed.done and feed.bytes_moved == 0 and feed.tokens_moved == 0
+    assert all(torch.equal(a, torch.full_like(a, SENTINEL)) for a in pool.snapshot())
+
+
+def test_bad_arguments_are_refused(setup) -> None:
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    with pytest.raises(ValueError, match="unknown feed mode"):
+        setup.feed("cuda-stream", pool)
+    with pytest.raises(ValueError, match="depth"):
+        setup.feed("threaded", pool, depth=0)
