@@ -154,14 +154,24 @@ def _drop_page_cache(path: Path) -> None:
 
 
 def tier_loader(
-    store: ChunkStore, record: ChunkKV, cold: Callable[[], None] | None = None
+    store: ChunkStore,
+    record: ChunkKV,
+    shape: ModelShape,
+    cold: Callable[[], None] | None = None,
 ) -> Callable[[int], object]:
-    """``run(n)``: read one layer's K and V for n tokens of ``record`` from ``store``."""
+    """``run(n)``: the reuse path's load of n tokens of ``record`` through every layer, as
+    the engine does it (sparse fetch from ``store``, then deferred RoPE); the
+    caller divides the slope by the layer count. One layer alone is too short to time
+    against a file open and the timer's noise."""
+    loader = SparseLoader(store, default_inv_freq(shape.head_dim, shape.rope_theta), LoaderConfig())
+    n_all = record.num_tokens
 
     def run(n: int) -> object:
         if cold is not None:
             cold()
-        return store.get_layers(record.key, range(0, 1), torch.arange(n))
+        # The first n_all - n tokens are "recomputed", so exactly n are loaded.
+        chunk = ChunkPlacement(record.key, n_all, 0, torch.arange(0, n_all - n))
+        return [loader.load_layer([chunk], layer) for layer in range(record.num_layers)]
 
     return run
 
@@ -260,7 +270,10 @@ def calibrate(
             "disk": (disk, lambda: _drop_page_cache(path)),
         }
         for name, (store, cold) in stores.items():
-            t_i = per_token_cost(tier_loader(store, record, cold), small, large, repeats)
+            t_i = (
+                per_token_cost(tier_loader(store, record, shape, cold), small, large, repeats)
+                / shape.num_layers
+            )
             params = CostParams(t_c, t_i, t_o, shape.num_layers, num_tokens)
             obj = (
                 None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,9 @@ class ChunkExecutor:
         self.ratios = ratios
         self.feed_mode = feed_mode
         self.pending: dict[int, Pending] = {}
+        self._promoter: ThreadPoolExecutor | None = None
+        # chunk token ids -> (full load running on the promoter, the chunk's ranking)
+        self._promoting: dict[tuple[int, ...], tuple[Future[torch.Tensor | None], Any]] = {}
 
     # ----------------------------------------------------------------- entry point
     def forward(
@@ -122,6 +126,8 @@ class ChunkExecutor:
 
         ``run(ids, pos)`` is SGLang's model forward over the batch as currently described
         by ``forward_batch`` (out_cache_loc and attention groups set by the caller here)."""
+        if self._promoting:
+            self._finish_promotions()
         pool_idx = forward_batch.req_pool_indices.tolist()
         if not any(i in self.pending for i in pool_idx):
             return None
@@ -463,19 +469,37 @@ class ChunkExecutor:
         )
 
     def _promote(self, plans: dict[int, _Plan]) -> None:
-        """Lower-tier chunks the request used become chunk nodes (a full load from host
-        memory or disk), so the next request finds them on the device."""
+        """Lower-tier chunks the request used become chunk nodes, so the next request finds
+        them on the device. The full read and rotation run on a worker, off the request's
+        path; the nodes are filled on this (the scheduler's) thread by the next batch."""
         if self.lower is None or self.nodes.capacity_tokens == 0:
             return
+        lower = self.lower
         for plan in plans.values():
             for start, end, hit in plan.lower:
                 chunk_ids = plan.pending.token_ids[start:end]
-                if self.nodes.match(chunk_ids) is not None:
+                if chunk_ids in self._promoting or self.nodes.match(chunk_ids) is not None:
                     continue
-                kv = self.lower.load_full(hit, chunk_ids)
-                if kv is not None:
-                    self._store(chunk_ids, kv, hit.ranking, to_lower=False)
-                    self.metrics.promotions.inc()
+                if self._promoter is None:
+                    self._promoter = ThreadPoolExecutor(1, thread_name_prefix="sgl-pic-promote")
+                job = self._promoter.submit(lower.load_full, hit, chunk_ids)
+                self._promoting[chunk_ids] = (job, hit.ranking)
+
+    def _finish_promotions(self) -> None:
+        """Fills chunk nodes with the promotions whose load has completed."""
+        for chunk_ids, (job, ranking) in list(self._promoting.items()):
+            if not job.done():
+                continue
+            del self._promoting[chunk_ids]
+            try:
+                kv = job.result()
+            except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
+                logger.exception("sgl_pic: promotion of a stored chunk failed")
+                continue
+            if kv is not None and self.nodes.match(chunk_ids) is None:
+                with single_thread():
+                    self._store(chunk_ids, kv, ranking, to_lower=False)
+                self.metrics.promotions.inc()
 
     def _release(self, plans: dict[int, _Plan]) -> None:
         for plan in plans.values():

@@ -142,7 +142,11 @@ def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, pool: 
         disk = DiskStoreConfig(tempfile.mkdtemp(prefix="sgl_pic_nodisk_"), 0)
         write_back = "on_evict"
     host = HostStoreConfig(settings.host_cache_mb * 2**20, write_back=write_back)
-    store = TieredStore(TieredStoreConfig(host, disk), pre.digest())
+    # Disk hits enter host memory only when it exists; a zero-capacity host tier would
+    # make every promotion a wasted full read.
+    has_host = settings.host_cache_mb > 0
+    config = TieredStoreConfig(host, disk, promote_on_get=has_host, promote_on_get_layers=has_host)
+    store = TieredStore(config, pre.digest())
     device = str(getattr(pool, "device", None) or "cpu")
     return LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device=device)
 

@@ -100,7 +100,8 @@ class Probe(NamedTuple):
 
 @dataclass(frozen=True)
 class SearchResult:
-    """r: the chosen ratio (midpoint of the final bracket).
+    """r:          the chosen ratio: the midpoint of the final bracket, or the domain's
+                edge when the best probe lies there.
     value:      the best objective value seen (at ``best_r``).
     bracket:    the final (lo, hi); the true minimiser of a unimodal objective is in it.
     probes:     every evaluation, in order.
@@ -160,7 +161,12 @@ def golden_section(
     except _Budget:
         pass
     best = min(probes, key=lambda p: p.value)
-    return SearchResult((a + b) / 2.0, best.value, best.r, (a, b), tuple(probes))
+    r = (a + b) / 2.0
+    if best.r in (lo, hi) and a <= best.r <= b:
+        # The minimum sits on the domain's edge (e.g. the quality floor r_min): the edge
+        # itself, not a point tol/2 inside it, is the answer.
+        r = best.r
+    return SearchResult(r, best.value, best.r, (a, b), tuple(probes))
 
 
 def _bracket(
