@@ -95,6 +95,9 @@ class ChunkNodeTable:
         self._clock = itertools.count(1)
         self._allocated = 0
         self._locked = 0  # slots of nodes with lock_ref > 0
+        # Bumped by every clear (SGLang's flush_cache): work begun before a flush, such as a
+        # promotion still loading, must not refill the table after it.
+        self.generation = 0
 
     # ----------------------------------------------------------------- sizes
     def __len__(self) -> int:
@@ -249,3 +252,4 @@ class ChunkNodeTable:
         self._nodes.clear()
         self._allocated = 0
         self._locked = 0
+        self.generation += 1

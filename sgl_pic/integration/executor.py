@@ -110,8 +110,8 @@ class ChunkExecutor:
         self.feed_mode = feed_mode
         self.pending: dict[int, Pending] = {}
         self._promoter: ThreadPoolExecutor | None = None
-        # chunk token ids -> (full load running on the promoter, the chunk's ranking)
-        self._promoting: dict[tuple[int, ...], tuple[Future[torch.Tensor | None], Any]] = {}
+        # chunk token ids -> (full load on the promoter, its ranking, the table's generation)
+        self._promoting: dict[tuple[int, ...], tuple[Future[torch.Tensor | None], Any, int]] = {}
 
     # ----------------------------------------------------------------- entry point
     def forward(
@@ -483,14 +483,16 @@ class ChunkExecutor:
                 if self._promoter is None:
                     self._promoter = ThreadPoolExecutor(1, thread_name_prefix="sgl-pic-promote")
                 job = self._promoter.submit(lower.load_full, hit, chunk_ids)
-                self._promoting[chunk_ids] = (job, hit.ranking)
+                self._promoting[chunk_ids] = (job, hit.ranking, self.nodes.generation)
 
     def _finish_promotions(self) -> None:
         """Fills chunk nodes with the promotions whose load has completed."""
-        for chunk_ids, (job, ranking) in list(self._promoting.items()):
+        for chunk_ids, (job, ranking, generation) in list(self._promoting.items()):
             if not job.done():
                 continue
             del self._promoting[chunk_ids]
+            if generation != self.nodes.generation:
+                continue  # begun before a flush: the flush dropped it with everything else
             try:
                 kv = job.result()
             except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
