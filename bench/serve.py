@@ -1,57 +1,52 @@
 """TTFT through a running sgl_pic server: full prefill vs every policy, measured in one run.
 
     python -m sgl_pic.launch_server --port 30000 &
-    python bench/serve.py --url http://127.0.0.1:30000 --examples 8
+    python bench/serve.py --url http://127.0.0.1:30000 --examples 6
+    # or let it launch (and end) its own server:
+    python bench/serve.py --launch --examples 6 [--server-args "--device cuda ..."]
+    # (--launch gives the server a temporary disk tier unless --server-args names one)
 
 For each MuSiQue example (its first --passages passages; prompts must stay under SGLang's
---chunked-prefill-size, 4096 by default, or they run without reuse) the chunk store is
-warmed once (a chunked request under full_recompute), then each measurement flushes
-SGLang's prefix tree (/flush_cache, which leaves the chunk store warm) and sends one request
-with max_new_tokens=1: a plain request for full prefill, a chunked one with the policy
-override for each policy. TTFT is the client-side latency of that request. Ratios are
-full-prefill TTFT over policy TTFT from the same run. Results go to bench/results/serve.json.
+--chunked-prefill-size, 4096 by default, or they run without reuse) the chunks are warmed
+once (a chunked request under full_recompute), then one request per measurement with
+max_new_tokens=1: a plain request for full prefill, a chunked one with the policy override
+for each policy. TTFT is the client-side latency of that request. Ratios are full-prefill
+TTFT over policy TTFT from the same run. Results go to bench/results/serve.json (--out).
+
+Each request (the warm-up too) starts with a short unique header, tokenized on its own and
+outside every chunk, so it misses SGLang's prefix tree without /flush_cache: a flush would
+also drop the chunk nodes (the device tier) and turn the hits into host-memory ones. The
+chunked measurements must then be served from the device tier: from /metrics, each adds
+sgl_pic_tier_hits_total{tier="device"} equal to its chunk count and no miss, failure or
+fallback; SGLang's cached_tokens must stay inside the header. The result is "tier_check"
+in the JSON; the script exits with status 1 (after writing its results) if it fails.
+bench/tiers.py measures the host and disk tiers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
-import time
+import sys
+import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import requests
+from _server import Client, delta, fresh_header, launch, metric, shifted
 
 POLICIES = ("full_recompute", "full_reuse", "epic", "daric", "cachetune")
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json=body, timeout=600)
-    dt = time.perf_counter() - t0
-    r.raise_for_status()
-    return dt, r.json()
-
-
-def _flush(url: str) -> None:
-    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
-
-
-def _metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("sgl_pic") and "_bucket" not in line:
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--launch", action="store_true", help="launch a server (ignores --url)")
+    ap.add_argument("--server-args", default="", help="extra server flags with --launch")
     ap.add_argument("--data", default=DATA)
     ap.add_argument("--examples", type=int, default=8)
     # MuSiQue passages are ~600 tokens with this tokenizer: 10 passages cut to 280 tokens
@@ -76,28 +71,93 @@ def main() -> None:
     ttft: dict[str, list[float]] = {"full_prefill": [], **{p: [] for p in POLICIES}}
     per_policy: dict[str, dict[str, float]] = {}
     lengths = []
-    for ex in examples:
-        passages = [truncate_tokens(tok, p, args.passage_tokens) for p in ex.passages]
-        prompt = build_prompt(tok, passages[: args.passages], ex.question)
-        ids = prompt.token_ids.tolist()
-        spans = [[s.start, s.end] for s in prompt.layout.chunks]
-        lengths.append(len(ids))
-        chunked = {"input_ids": ids, "sampling_params": sampling}
-        _flush(args.url)
-        _post(
-            args.url, {**chunked, "pic": {"chunks": spans, "config": {"policy": "full_recompute"}}}
-        )
-        _flush(args.url)
-        ttft["full_prefill"].append(_post(args.url, chunked)[0])
-        for policy in POLICIES:
-            _flush(args.url)
-            before = _metrics(args.url)
-            body = {**chunked, "pic": {"chunks": spans, "config": {"policy": policy}}}
-            ttft[policy].append(_post(args.url, body)[0])
-            after = _metrics(args.url)
-            acc = per_policy.setdefault(policy, {})
-            for k in after:
-                acc[k] = acc.get(k, 0.0) + after[k] - before.get(k, 0.0)
+    check: dict[str, Any] = {
+        "chunked_requests": 0,
+        "chunks": 0,
+        "device_hits": 0,
+        "host_hits": 0,
+        "disk_hits": 0,
+        "misses": 0,
+        "failures": 0,
+        "fallbacks": 0,
+        "max_cached_tokens": 0,
+        "max_header_tokens": 0,
+        "failed_requests": [],
+    }
+    with ExitStack() as stack:
+        if args.launch:
+            server_args = shlex.split(args.server_args)
+            if not any(a.startswith("--pic-disk-cache-dir") for a in server_args):
+                # A private disk tier: nothing from earlier runs, nothing left in ~/.cache.
+                disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="sgl_pic_serve_"))
+                server_args += ["--pic-disk-cache-dir", disk]
+            client = stack.enter_context(launch(server_args))
+        else:
+            client = Client(args.url)
+        for i, ex in enumerate(examples):
+            passages = [truncate_tokens(tok, p, args.passage_tokens) for p in ex.passages]
+            prompt = build_prompt(tok, passages[: args.passages], ex.question)
+            ids = prompt.token_ids.tolist()
+            spans = [[s.start, s.end] for s in prompt.layout.chunks]
+            lengths.append(len(ids))
+
+            def body(policy: str | None, ids: list[int] = ids, spans: list = spans) -> dict:
+                # A fresh header per request: no prefix-tree hit, no flush needed.
+                head = fresh_header(tok)
+                out: dict[str, Any] = {"input_ids": head + ids, "sampling_params": sampling}
+                if policy is not None:
+                    pic = {"chunks": shifted(spans, len(head)), "config": {"policy": policy}}
+                    out["pic"] = pic
+                return out
+
+            client.generate(body("full_recompute"))  # warm the chunk nodes
+            ttft["full_prefill"].append(client.generate(body(None))[0])
+            for policy in POLICIES:
+                req = body(policy)
+                header = len(req["input_ids"]) - len(ids)
+                before = client.metrics()
+                dt, resp = client.generate(req)
+                d = delta(before, client.metrics())
+                ttft[policy].append(dt)
+                acc = per_policy.setdefault(policy, {})
+                for k, v in d.items():
+                    acc[k] = acc.get(k, 0.0) + v
+                cached = int(resp.get("meta_info", {}).get("cached_tokens", 0))
+                got = {
+                    t: int(metric(d, "sgl_pic_tier_hits_total", tier=t))
+                    for t in ("device", "host", "disk")
+                }
+                bad = {
+                    "misses": int(metric(d, "sgl_pic_chunk_misses_total")),
+                    "failures": int(metric(d, "sgl_pic_failures_total")),
+                    "fallbacks": int(metric(d, "sgl_pic_fallbacks_total")),
+                }
+                check["chunked_requests"] += 1
+                check["chunks"] += len(spans)
+                for t, n in got.items():
+                    check[f"{t}_hits"] += n
+                for k, n in bad.items():
+                    check[k] += n
+                check["max_cached_tokens"] = max(check["max_cached_tokens"], cached)
+                check["max_header_tokens"] = max(check["max_header_tokens"], header)
+                if got["device"] != len(spans) or any(bad.values()) or cached >= header:
+                    check["failed_requests"].append(
+                        {
+                            "example": i,
+                            "policy": policy,
+                            "chunks": len(spans),
+                            "cached": cached,
+                            **{f"{t}_hits": n for t, n in got.items()},
+                            **bad,
+                        }
+                    )
+            print(
+                f"example {i + 1}/{len(examples)}: {len(ids)} tokens, full prefill "
+                f"{ttft['full_prefill'][-1]:.2f} s, "
+                + ", ".join(f"{p} {ttft[p][-1]:.2f} s" for p in POLICIES),
+                flush=True,
+            )
+    check["ok"] = not check["failed_requests"] and check["chunked_requests"] > 0
 
     base = statistics.mean(ttft["full_prefill"])
     report: dict[str, Any] = {
@@ -109,6 +169,7 @@ def main() -> None:
         "speedup_vs_full_prefill": {p: base / statistics.mean(ttft[p]) for p in POLICIES},
         "hit_rate": {},
         "recomputed_fraction": {},
+        "tier_check": check,
     }
     for p, m in per_policy.items():
         lookups = m.get("sgl_pic_chunk_lookups_total", 0.0)
@@ -123,6 +184,11 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     _plot(report, Path(args.out).with_suffix(".png"))
+    if not check["ok"]:
+        sys.exit(
+            f"tier check failed: chunked measurements not all served from the device tier "
+            f"({len(check['failed_requests'])} request(s); see tier_check in {args.out})"
+        )
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

@@ -256,6 +256,10 @@ class ChunkExecutor:
         copied in now; its nodes and a lower hit's records stay locked until the batch
         ends, so nothing the request reads is evicted under it."""
         chunk_ids = plan.pending.token_ids[start:end]
+        if chunk_ids in self._promoting:
+            # Its full load is already under way: finishing it costs less than loading
+            # the chunk again from the lower tier.
+            self._finish_promotion(chunk_ids)
         hit = self.nodes.match(chunk_ids)
         if hit is not None:
             self.nodes.lock(hit.nodes)
@@ -487,21 +491,25 @@ class ChunkExecutor:
 
     def _finish_promotions(self) -> None:
         """Fills chunk nodes with the promotions whose load has completed."""
-        for chunk_ids, (job, ranking, generation) in list(self._promoting.items()):
-            if not job.done():
-                continue
-            del self._promoting[chunk_ids]
-            if generation != self.nodes.generation:
-                continue  # begun before a flush: the flush dropped it with everything else
-            try:
-                kv = job.result()
-            except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
-                logger.exception("sgl_pic: promotion of a stored chunk failed")
-                continue
-            if kv is not None and self.nodes.match(chunk_ids) is None:
-                with single_thread():
-                    self._store(chunk_ids, kv, ranking, to_lower=False)
-                self.metrics.promotions.inc()
+        for chunk_ids, (job, _, _) in list(self._promoting.items()):
+            if job.done():
+                self._finish_promotion(chunk_ids)
+
+    def _finish_promotion(self, chunk_ids: tuple[int, ...]) -> None:
+        """Waits for one promotion's load and fills its chunk nodes (unless a flush came
+        in between, or the load found the records gone)."""
+        job, ranking, generation = self._promoting.pop(chunk_ids)
+        try:
+            kv = job.result()
+        except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
+            logger.exception("sgl_pic: promotion of a stored chunk failed")
+            return
+        if generation != self.nodes.generation:
+            return  # begun before a flush: the flush dropped it with everything else
+        if kv is not None and self.nodes.match(chunk_ids) is None:
+            with single_thread():
+                self._store(chunk_ids, kv, ranking, to_lower=False)
+            self.metrics.promotions.inc()
 
     def _release(self, plans: dict[int, _Plan]) -> None:
         for plan in plans.values():
