@@ -499,13 +499,15 @@ class ChunkExecutor:
         """Waits for one promotion's load and fills its chunk nodes (unless a flush came
         in between, or the load found the records gone)."""
         job, ranking, generation = self._promoting.pop(chunk_ids)
+        if generation != self.nodes.generation:
+            # Begun before a flush, which dropped the chunk nodes: never waited for.
+            job.cancel()
+            return
         try:
             kv = job.result()
         except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
             logger.exception("sgl_pic: promotion of a stored chunk failed")
             return
-        if generation != self.nodes.generation:
-            return  # begun before a flush: the flush dropped it with everything else
         if kv is not None and self.nodes.match(chunk_ids) is None:
             with single_thread():
                 self._store(chunk_ids, kv, ranking, to_lower=False)

@@ -1,0 +1,135 @@
+"""Shared helpers of the serving benchmarks: launch ``python -m sgl_pic.launch_server`` in
+its own process group, talk to it over HTTP, and give each request a fresh header.
+
+The server runs in its own process group (``sgl_pic.server_process``): SGLang SIGKILLs its
+parent when a child fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the package, when it is not installed
+    sys.path.insert(0, str(ROOT))
+STARTUP_TIMEOUT_S = 900.0
+_PHASES = re.compile(r"assemble\+phase 1 ([0-9.]+) s, select\+phase 2 ([0-9.]+) s")
+
+
+class Client:
+    """HTTP access to one server. ``log_path`` is its log when this process launched it
+    (then the executor's per-batch phase timings can be read from it), else None."""
+
+    def __init__(self, url: str, log_path: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.log_path = log_path
+        self._log_offset = 0
+        self.skip_log()
+
+    def generate(self, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """(client-side latency in seconds, response JSON) of one /generate request."""
+        t0 = time.perf_counter()
+        r = requests.post(self.url + "/generate", json=body, timeout=900)
+        dt = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:500]}")
+        return dt, r.json()
+
+    def flush(self, attempts: int = 20) -> None:
+        """SGLang's /flush_cache (radix tree and chunk nodes; host and disk tiers stay).
+        SGLang refuses while a request is still finishing, so it is retried briefly."""
+        for _ in range(attempts):
+            r = requests.post(self.url + "/flush_cache", timeout=120)
+            if r.status_code == 200:
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"/flush_cache kept failing: {r.status_code} {r.text[:200]}")
+
+    def metrics(self) -> dict[str, float]:
+        """sgl_pic_* series of /metrics, keyed by name with labels (buckets left out)."""
+        out: dict[str, float] = {}
+        for line in requests.get(self.url + "/metrics", timeout=60).text.splitlines():
+            if line.startswith("sgl_pic") and "_bucket" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def skip_log(self) -> None:
+        """Forget log lines written so far (the next ``phase_timings`` reads newer ones)."""
+        if self.log_path is not None:
+            self._log_offset = os.path.getsize(self.log_path)
+
+    def phase_timings(self) -> list[tuple[float, float]]:
+        """(assemble + phase 1, select + phase 2) seconds of each chunked batch the
+        executor logged since the last call; empty without a log."""
+        if self.log_path is None:
+            return []
+        with open(self.log_path, errors="replace") as f:
+            f.seek(self._log_offset)
+            text = f.read()
+            self._log_offset = f.tell()
+        return [(float(a), float(b)) for a, b in _PHASES.findall(text)]
+
+    def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None:
+            return "(no log: the server was not launched here)"
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+
+def metric(m: dict[str, float], name: str, **labels: str) -> float:
+    """The value of series ``name`` with exactly ``labels`` (0.0 if absent)."""
+    if labels:
+        inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        key = f"{name}{{{inner}}}"
+        if key in m:
+            return m[key]
+        # Label order as the exporter wrote it.
+        want = {f'{k}="{v}"' for k, v in labels.items()}
+        for k, v in m.items():
+            if k.startswith(name + "{") and set(k[len(name) + 1 : -1].split(",")) == want:
+                return v
+        return 0.0
+    return m.get(name, 0.0)
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def fresh_header(tokenizer: Any) -> list[int]:
+    """Token ids of a short unique line, tokenized on its own: prepended outside every
+    chunk, it makes the request miss SGLang's prefix tree (apart from a token or two of
+    the random text it may share with an earlier header) without /flush_cache."""
+    return list(tokenizer(f"{secrets.token_hex(6)} fresh\n", add_special_tokens=False)["input_ids"])
+
+
+def shifted(spans: Sequence[Sequence[int]], offset: int) -> list[list[int]]:
+    return [[int(s) + offset, int(e) + offset] for s, e in spans]
+
+
+@contextmanager
+def launch(args: Sequence[str], startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[Client]:
+    """A healthy server with ``args`` (sgl_pic and SGLang flags), killed on exit with its
+    whole process group. Its log is a temporary file, kept (its path is printed)."""
+    from sgl_pic.server_process import server_process
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    t0 = time.monotonic()
+    print(f"launching: sgl_pic.launch_server {' '.join(args)}", flush=True)
+    with server_process(
+        args, startup_timeout_s, env=env, cwd=str(ROOT), log_prefix="sgl_pic_bench_server_"
+    ) as proc:
+        print(f"  log: {proc.log_path}\n  healthy after {time.monotonic() - t0:.0f} s", flush=True)
+        yield Client(proc.url, proc.log_path)
