@@ -70,7 +70,6 @@ def test_plain_requests_are_untouched() -> None:
         ({"input_ids": [1, 2], "pic": {"chunks": [[0, 1]], "x": 1}}, "unknown field"),
         ({"text": "a", "pic": {"chunks": [[0, 1]]}}, "input_ids"),
         ({"text": "a<d>b"}, "unbalanced"),
-        ({"text": "a", "pic": {"config": {"policy": "cacheblend"}}}, "not supported"),
         ({"text": "a", "pic": {"config": {"daric_r": 2.0}}}, "daric_r"),
         ({"text": "a", "pic": []}, "must be an object"),
     ],
