@@ -101,6 +101,9 @@ def build(argv: list[str]) -> tuple[list[str], argparse.Namespace, PicConfig]:
             rest += ["--radix-cache-backend", BACKEND_NAME]
         if "--enable-metrics" not in rest:
             rest.append("--enable-metrics")
+        if _flag_value(rest, "--attention-backend") is None:
+            # The chunk path's attention runs on torch_native only (FlashInfer: not yet).
+            rest += ["--attention-backend", "torch_native"]
     return rest, ns, config
 
 

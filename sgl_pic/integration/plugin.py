@@ -28,6 +28,7 @@ ATTENTION_TARGET = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 )
 PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+TORCH_NATIVE = "torch_native"
 
 
 def register() -> None:
@@ -97,6 +98,21 @@ def build_tree_cache(ctx: Any) -> Any:
         for tier, r in ratios.items():
             metrics.calibrated_r.labels(tier=tier).set(r)
     kv = KVAccess(pool, num_layers, inv_freq)
+    backends = {
+        getattr(ctx.server_args, "attention_backend", None),
+        getattr(ctx.server_args, "prefill_attention_backend", None),
+    } - {None}
+    if backends != {TORCH_NATIVE}:
+        # The chunk path's grouped attention is a hook on torch_native's extend; another
+        # backend would attend the phases as ordinary extends, which is wrong. Chunked
+        # requests are then served as plain SGLang prefill (exact, no reuse).
+        logger.error(
+            "sgl_pic: chunk reuse needs --attention-backend %s (got %s); chunked requests "
+            "run without reuse",
+            TORCH_NATIVE,
+            sorted(backends),
+        )
+        return cache
     _executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,

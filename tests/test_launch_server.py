@@ -1,0 +1,51 @@
+"""The launcher's argument handling (no server is started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration.settings import PicServerSettings
+from sgl_pic.launch_server import _flag_value, build
+
+MODEL = ["--model-path", "/some/model"]
+
+
+def test_reuse_flags_are_added_unless_given() -> None:
+    argv, ns, config = build([*MODEL, "--pic-policy", "epic", "--pic-host-cache-mb", "0"])
+    assert _flag_value(argv, "--radix-cache-backend") == "sgl_pic"
+    assert _flag_value(argv, "--attention-backend") == "torch_native"
+    assert "--enable-metrics" in argv
+    assert not any(a.startswith("--pic-") for a in argv)  # ours never reach SGLang
+    assert config.policy == "epic" and ns.pic_host_cache_mb == 0
+
+    argv, _, _ = build([*MODEL, "--attention-backend", "flashinfer", "--page-size", "16"])
+    assert _flag_value(argv, "--attention-backend") == "flashinfer"  # the server refuses it
+    assert build([*MODEL, "--page-size", "16"])[2].page_size == 16
+
+
+def test_disable_serves_plain_sglang() -> None:
+    argv, _, _ = build([*MODEL, "--pic-disable"])
+    assert _flag_value(argv, "--radix-cache-backend") is None
+    assert _flag_value(argv, "--attention-backend") is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"device_cache_fraction": 1.5},
+        {"host_cache_mb": -1},
+        {"feed_mode": "cuda"},
+        {"calibrate": True, "host_cache_mb": 0, "disk_cache_dir": ""},
+    ],
+)
+def test_bad_server_settings_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        PicServerSettings(PicConfig(), **bad)
+
+
+def test_settings_travel_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = PicServerSettings(PicConfig(policy="cachetune"), "/m", 0.25, 64, "/tmp/d", 128, True)
+    monkeypatch.delenv("SGLPIC_SETTINGS", raising=False)
+    s.to_env()
+    assert PicServerSettings.from_env() == s
