@@ -50,7 +50,7 @@ from sgl_pic.integration.layer_feed import LayerFeed, MissingChunkError
 from sgl_pic.integration.lower_tiers import LowerHit, LowerTiers
 from sgl_pic.integration.metrics import PicMetrics, RequestStats
 from sgl_pic.integration.spans import PicRequest
-from sgl_pic.selection import SelectionContext, finalize, make_policy
+from sgl_pic.selection import SelectionContext, cachetune_ranking, finalize, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -300,9 +300,14 @@ class ChunkExecutor:
                 chunk_ids = plan.pending.token_ids[start:end]
                 with single_thread():
                     kv = self.kv.read(slots)  # keys at positions 0..n-1
-                ranking = self.kv.ranking(kv, plan.config.cachetune_alpha)
+                # Pre-RoPE keys, once: CacheTune ranks them and the lower tiers store them.
+                k_pre = self.kv.pre_rope_keys(kv)
+                ranking = cachetune_ranking(k_pre, kv[:, 1], plan.config.cachetune_alpha)
                 with single_thread():
                     self._store(chunk_ids, kv, ranking)
+                    if self.lower is not None:
+                        # Write-through: the host tier then puts it on disk in the background.
+                        self.lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking)
                     self.kv.write_rotated(slots, kv, start)
                 i = next(
                     j for j, s in enumerate(plan.pending.request.layout.chunks) if s.start == start
@@ -316,18 +321,14 @@ class ChunkExecutor:
         chunk_ids: tuple[int, ...],
         kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
         ranking: torch.Tensor | None,  # [n]
-        to_lower: bool = True,
     ) -> None:
-        """New chunk nodes for the segments not held (when the pool has room), and a
-        write-through copy to the host tier (which puts it on disk in the background)."""
+        """New chunk nodes for the segments not held, when the pool share has room."""
         inserted = self.nodes.insert(chunk_ids, ranking) if self.nodes.capacity_tokens else ()
         if inserted is None:
             self.metrics.node_insert_failures.inc()
         elif inserted:
             for node, key in zip(*inserted, strict=True):
                 self.kv.write_rotated(node.kv_slots, kv[:, :, key.start : key.end], 0)
-        if to_lower and self.lower is not None:
-            self.lower.put_chunk(chunk_ids, kv, ranking)
 
     # ----------------------------------------------------------------- phase 2
     def _phase2(
@@ -379,8 +380,7 @@ class ChunkExecutor:
         for feed in feeds:
             if not feed.done:
                 raise RuntimeError("phase 2 ended before every layer's reused KV was loaded")
-            self.metrics.bytes_loaded.inc(feed.bytes_moved)
-            self.metrics.bytes_dense.inc(feed.bytes_dense)
+            self._count_loaded(feed)
         hidden = out.new_zeros((input_ids.shape[0], out.shape[-1]))
         hidden[torch.cat(rows)] = out
         return hidden
@@ -414,8 +414,7 @@ class ChunkExecutor:
             feed = self._feed(plan, torch.empty(0, dtype=torch.int64))
             for layer in range(self.kv.num_layers):
                 feed.before_layer(layer)
-            self.metrics.bytes_loaded.inc(feed.bytes_moved)
-            self.metrics.bytes_dense.inc(feed.bytes_dense)
+            self._count_loaded(feed)
             plan.lower.clear()
         toks = plan.pending.token_ids
         n = len(toks)
@@ -443,6 +442,10 @@ class ChunkExecutor:
         fresh = plan.pending.request.layout.fresh_indices()
         dev[torch.tensor(fresh, dtype=torch.int64)] = 0.0
         return dev
+
+    def _count_loaded(self, feed: LayerFeed) -> None:
+        self.metrics.bytes_loaded.inc(feed.bytes_moved)
+        self.metrics.bytes_dense.inc(feed.bytes_dense)
 
     def _calibrated(self, plan: _Plan) -> PicConfig:
         """The request's config with CacheTune's r set to the calibrated r of the slowest
@@ -510,7 +513,7 @@ class ChunkExecutor:
             return
         if kv is not None and self.nodes.match(chunk_ids) is None:
             with single_thread():
-                self._store(chunk_ids, kv, ranking, to_lower=False)
+                self._store(chunk_ids, kv, ranking)
             self.metrics.promotions.inc()
 
     def _release(self, plans: dict[int, _Plan]) -> None:

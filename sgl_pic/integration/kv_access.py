@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from sgl_pic.rope import RopeLayout, rotate_layers
-from sgl_pic.selection import cachetune_ranking
 
 
 @contextmanager
@@ -59,11 +58,10 @@ class KVAccess:
             kb[slots] = keys[i].to(kb.dtype)
             vb[slots] = kv[i, 1].to(vb.dtype)
 
-    def ranking(self, kv: torch.Tensor, alpha: float) -> torch.Tensor:
-        """CacheTune ranking # [n] of a chunk's independent KV (keys at 0..n-1)."""
-        n = kv.shape[2]
-        pre = self._rotate(kv[:, 0], -torch.arange(n))  # un-rotate: pre-RoPE keys
-        return cachetune_ranking(pre, kv[:, 1], alpha)
+    def pre_rope_keys(self, kv: torch.Tensor) -> torch.Tensor:
+        """# [num_layers, n, num_kv_heads, head_dim] the keys of a chunk's independent KV
+        (``kv`` # [num_layers, 2, n, num_kv_heads, head_dim], keys at 0..n-1) un-rotated."""
+        return self._rotate(kv[:, 0], -torch.arange(kv.shape[2]))
 
     def write_layer(
         self,

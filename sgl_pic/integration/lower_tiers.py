@@ -107,24 +107,20 @@ class LowerTiers:
     def put_chunk(
         self,
         token_ids: Sequence[int],
-        kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K post-RoPE at 0..n-1
+        k_pre: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim], keys before RoPE
+        v: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
         ranking: torch.Tensor | None,  # [n]
     ) -> int:
-        """Writes the chunk's segments not yet held (keys un-rotated to pre-RoPE); returns
-        how many were newly kept."""
+        """Writes the chunk's segments not yet held; returns how many were newly kept."""
         keys = [k for k in self.keys(token_ids) if not self.store.contains(k.digest)]
-        if not keys:
-            return 0
-        n = kv.shape[2]
-        pre = rotate_layers(kv[:, 0], -torch.arange(n), self.inv_freq, self.layout)
         kept = 0
         for k in keys:
             record = ChunkKV(
                 key=k.digest,
                 model_digest=self.model_digest,
                 token_ids=tuple(token_ids[k.start : k.end]),
-                k=pre[:, k.start : k.end].contiguous(),
-                v=kv[:, 1, k.start : k.end].contiguous(),
+                k=k_pre[:, k.start : k.end].contiguous(),
+                v=v[:, k.start : k.end].contiguous(),
                 ranking=None if ranking is None else ranking[k.start : k.end].float(),
             )
             kept += bool(self.store.put(record))

@@ -53,7 +53,7 @@ class Setup:
         self.placements: list[ChunkPlacement] = []
         for seed, n, offset, rec in CHUNKS:
             c = chunk_data(seed, n, LAYERS, HEADS, DIM, INV_FREQ)
-            self.lower.put_chunk(c.tokens, c.kv, c.ranking)
+            self.lower.put_chunk(c.tokens, c.pre_k, c.v, c.ranking)
             hit = self.lower.match(c.tokens)
             assert hit is not None and hit.tier == "host"
             self.placements += self.lower.placements(hit, c.tokens, offset, torch.tensor(rec))

@@ -56,8 +56,8 @@ def test_put_chunk_then_match_in_host(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path)
     c = chunk()
     assert lt.match(c.tokens) is None
-    assert lt.put_chunk(c.tokens, c.kv, c.ranking) == 3  # segments of 4, 4, 2
-    assert lt.put_chunk(c.tokens, c.kv, c.ranking) == 0  # all held already
+    assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 3  # segments of 4, 4, 2
+    assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 0  # all held already
     before = lt.store.tier_stats()
     hit = lt.match(c.tokens)
     assert hit is not None and hit.tier == "host"
@@ -75,7 +75,7 @@ def test_put_chunk_then_match_in_host(stores, tmp_path) -> None:
 def test_load_full_round_trips_post_rope_kv(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path)
     c = chunk(seed=3, n=11)
-    lt.put_chunk(c.tokens, c.kv, c.ranking)
+    lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking)
     hit = lt.match(c.tokens)
     assert hit is not None
     kv = lt.load_full(hit, c.tokens)
@@ -87,7 +87,7 @@ def test_load_full_round_trips_post_rope_kv(stores, tmp_path) -> None:
 def test_match_on_other_tokens_misses(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path)
     c = chunk()
-    lt.put_chunk(c.tokens, c.kv, c.ranking)
+    lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking)
     assert lt.match(chunk(seed=9).tokens) is None
     for i in (0, 5, 9):  # one token changed in the first, middle or last segment
         other = list(c.tokens)
@@ -102,7 +102,7 @@ def test_match_on_other_tokens_misses(stores, tmp_path) -> None:
 def test_ranking_is_none_when_stored_without_one(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path)
     c = chunk()
-    lt.put_chunk(c.tokens, c.kv, None)
+    lt.put_chunk(c.tokens, c.pre_k, c.v, None)
     hit = lt.match(c.tokens)
     assert hit is not None and hit.ranking is None
 
@@ -129,7 +129,7 @@ def test_refuses_a_store_for_another_fingerprint(stores, tmp_path) -> None:
 def test_disk_only_match_reads_the_header(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path, host_bytes=0)
     c = chunk(seed=5, n=10)
-    assert lt.put_chunk(c.tokens, c.kv, c.ranking) == 3
+    assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 3
     keys = lt.keys(c.tokens)
     assert [lt.store.locate(k.digest) for k in keys] == ["disk"] * 3
     before = lt.store.tier_stats()["disk"]
@@ -146,7 +146,7 @@ def test_disk_only_match_reads_the_header(stores, tmp_path) -> None:
 def test_mixed_tiers_report_the_slowest(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path, host_bytes=SEG_BYTES)  # room for one segment in memory
     c = chunk(seed=6, n=8)
-    assert lt.put_chunk(c.tokens, c.kv, c.ranking) == 2
+    assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 2
     lt.store.flush()  # write-through to disk
     first, second = lt.keys(c.tokens)
     assert lt.store.locate(first.digest) == "disk" and lt.store.locate(second.digest) == "host"
@@ -161,7 +161,7 @@ def test_mixed_tiers_report_the_slowest(stores, tmp_path) -> None:
 def test_a_dropped_segment_makes_the_chunk_miss(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path, disk_bytes=0)  # nothing reaches the disk
     c = chunk()
-    lt.put_chunk(c.tokens, c.kv, c.ranking)
+    lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking)
     lt.store.flush()
     hit = lt.match(c.tokens)
     assert hit is not None
@@ -173,7 +173,7 @@ def test_a_dropped_segment_makes_the_chunk_miss(stores, tmp_path) -> None:
 def test_placements_split_the_recomputed_set_by_segment(stores, tmp_path) -> None:
     lt = tiers(stores, tmp_path)
     c = chunk(n=10)
-    lt.put_chunk(c.tokens, c.kv, c.ranking)
+    lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking)
     hit = lt.match(c.tokens)
     assert hit is not None
     recompute = torch.tensor([0, 3, 4, 5, 6, 7, 9])
