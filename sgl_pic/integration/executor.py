@@ -411,7 +411,8 @@ class ChunkExecutor:
         ones. Needs every reused token in the pool first, so lower-tier chunks are loaded
         whole here (CacheBlend compares against all of them) instead of sparsely later."""
         if plan.lower:
-            feed = self._feed(plan, torch.empty(0, dtype=torch.int64))
+            # Loaded here, before any forward pulls it: in order, on this thread.
+            feed = self._feed(plan, torch.empty(0, dtype=torch.int64), mode="inorder")
             for layer in range(self.kv.num_layers):
                 feed.before_layer(layer)
             self._count_loaded(feed)
@@ -461,7 +462,7 @@ class ChunkExecutor:
             return plan.config
         return plan.config.with_overrides(cachetune_r=self.ratios[tier])
 
-    def _feed(self, plan: _Plan, sel: torch.Tensor) -> LayerFeed:
+    def _feed(self, plan: _Plan, sel: torch.Tensor, mode: str | None = None) -> LayerFeed:
         """The layer feed of a request's lower-tier chunks: each loads the tokens ``sel``
         (# [k] global positions) does not recompute."""
         assert self.lower is not None
@@ -472,7 +473,12 @@ class ChunkExecutor:
                 hit, plan.pending.token_ids[start:end], start, local
             )
         return LayerFeed(
-            self.lower.loader, placements, plan.slots, self.kv, self.kv.num_layers, self.feed_mode
+            self.lower.loader,
+            placements,
+            plan.slots,
+            self.kv,
+            self.kv.num_layers,
+            mode or self.feed_mode,
         )
 
     def _promote(self, plans: dict[int, _Plan]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,34 +43,53 @@ def _recomputed(server: Server, req: dict) -> tuple[float, dict[str, float]]:
     return delta["sgl_pic_recomputed_tokens_total"], delta
 
 
-def test_calibrated_r_is_stored_exported_and_used() -> None:
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[Server, str]]:
     disk = tempfile.mkdtemp(prefix="sgl_pic_calib_")
     args = ("--pic-calibrate", "--pic-policy", "cachetune", "--pic-cachetune-r", str(R_FLOOR))
     with launch(*args, "--pic-disk-cache-dir", disk) as server:
-        stored = json.loads((Path(disk) / "calibration.json").read_text())
-        assert set(stored["tiers"]) == {"host", "disk"}
-        assert stored["r_min"] == R_FLOOR
-        m = server.metrics()
-        r_host = m['sgl_pic_calibrated_r{tier="host"}']
-        assert r_host == pytest.approx(stored["tiers"]["host"]["r"])
-        assert R_FLOOR <= r_host <= 1.0
-        assert m['sgl_pic_calibrated_r{tier="device"}'] == pytest.approx(R_FLOOR)
+        yield server, disk
 
-        first = chunked(["A", "B", "C"], "Which city lies on the equator?", header="Ibis.\n")
-        assert server.generate(body(*first)).status_code == 200  # computes the chunks
 
-        # Chunk nodes are flushed with SGLang's tree; host memory keeps the chunks.
-        requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
-        toks, spans = chunked(["C", "A", "B"], "Where do rivers meet?", header="Heron.\n")
-        got, d = _recomputed(server, body(toks, spans))
-        assert d['sgl_pic_tier_hits_total{tier="host"}'] == 3
-        assert got == _expected_recomputed(toks, spans, r_host)
+def test_calibrated_r_is_stored_exported_and_used(served: tuple[Server, str]) -> None:
+    server, disk = served
+    stored = json.loads((Path(disk) / "calibration.json").read_text())
+    assert set(stored["tiers"]) == {"host", "disk"}
+    assert stored["r_min"] == R_FLOOR
+    m = server.metrics()
+    r_host = m['sgl_pic_calibrated_r{tier="host"}']
+    assert r_host == pytest.approx(stored["tiers"]["host"]["r"])
+    assert R_FLOOR <= r_host <= 1.0
+    assert m['sgl_pic_calibrated_r{tier="device"}'] == pytest.approx(R_FLOOR)
 
-        requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
-        toks, spans = chunked(["B", "C", "A"], "Which city has temples?", header="Egret.\n")
-        pinned = body(toks, spans, cachetune_r=R_FIXED)  # the request's own r wins
-        got, d = _recomputed(server, pinned)
-        assert d['sgl_pic_tier_hits_total{tier="host"}'] == 3
-        assert got == _expected_recomputed(toks, spans, R_FIXED)
-        assert got < _expected_recomputed(toks, spans, r_host)
-        assert server.metrics()["sgl_pic_failures_total"] == 0
+    first = chunked(["A", "B", "C"], "Which city lies on the equator?", header="Ibis.\n")
+    assert server.generate(body(*first)).status_code == 200  # computes the chunks
+
+    # Chunk nodes are flushed with SGLang's tree; host memory keeps the chunks.
+    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    toks, spans = chunked(["C", "A", "B"], "Where do rivers meet?", header="Heron.\n")
+    got, d = _recomputed(server, body(toks, spans))
+    assert d['sgl_pic_tier_hits_total{tier="host"}'] == 3
+    assert got == _expected_recomputed(toks, spans, r_host)
+
+    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    toks, spans = chunked(["B", "C", "A"], "Which city has temples?", header="Egret.\n")
+    pinned = body(toks, spans, cachetune_r=R_FIXED)  # the request's own r wins
+    got, d = _recomputed(server, pinned)
+    assert d['sgl_pic_tier_hits_total{tier="host"}'] == 3
+    assert got == _expected_recomputed(toks, spans, R_FIXED)
+    assert got < _expected_recomputed(toks, spans, r_host)
+    assert server.metrics()["sgl_pic_failures_total"] == 0
+
+
+def test_cacheblend_loads_host_chunks_whole(served: tuple[Server, str]) -> None:
+    server, _ = served
+    toks, spans = chunked(["D", "E"], "Where is the midnight sun?", header="Stork.\n")
+    assert server.generate(body(toks, spans)).status_code == 200  # computes the chunks
+    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    toks, spans = chunked(["E", "D"], "Which port has funiculars?", header="Swan.\n")
+    _, d = _recomputed(server, body(toks, spans, policy="cacheblend"))
+    assert d['sgl_pic_tier_hits_total{tier="host"}'] == 2
+    assert d["sgl_pic_failures_total"] == 0
+    # CacheBlend compares against every reused token, so its chunks are loaded whole.
+    assert 0 < d["sgl_pic_bytes_loaded_total"] == d["sgl_pic_bytes_dense_total"]
