@@ -96,6 +96,17 @@ class PicMetrics:
             "Pool slots held by chunk nodes",
             multiprocess_mode="mostrecent",
         )
+        self.marks_ignored = Counter(
+            "sgl_pic_marks_ignored",
+            "Requests whose chunk marks the scheduler did not honour (unsigned, bad signature, "
+            "malformed, over a limit, tokens changed); each ran as exact prefill",
+            ["reason"],
+        )
+        self.requests_refused = Counter(
+            "sgl_pic_requests_refused",
+            "Requests the scheduler refused with an error (e.g. token ids outside the vocabulary)",
+            ["reason"],
+        )
         self._errors_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
             "sgl_pic_last_hit_rate",
