@@ -5,6 +5,7 @@ Every algorithm reads its knobs from here; nothing reads environment variables.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -17,6 +18,10 @@ POLICY_NAMES: tuple[str, ...] = (
     "cachetune",
 )
 MTAF_NAMES: tuple[str, ...] = ("linear", "log", "exp")
+# Upper bounds keep one request from buying unbounded scheduler work (DARIC's merge
+# rounds, budgets far past any chunk) with a single number.
+MAX_BUDGET_TOKENS = 1 << 20
+MAX_DARIC_ITERS = 16
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class PicConfig:
     segment_tokens:    longest cached segment (DARIC 3.3.2), tokens.
     page_size:         KV page size; chunk starts are padded to it.
     delimiter:         text marking chunk boundaries in plain-text prompts.
+    max_chunks:        most chunks one request may mark (a prompt of thousands of tiny
+                       chunks would stall the scheduler on lookups and phase sub-requests).
+    min_chunk_tokens:  fewest tokens a chunk may have.
     """
 
     policy: str = "daric"
@@ -49,8 +57,12 @@ class PicConfig:
     segment_tokens: int = 256
     page_size: int = 1
     delimiter: str = "<|pic_chunk|>"
+    max_chunks: int = 256
+    min_chunk_tokens: int = 4
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
         if self.policy not in POLICY_NAMES:
             raise ValueError(
                 f"unknown policy {self.policy!r}; valid policies: {', '.join(POLICY_NAMES)}"
@@ -63,16 +75,14 @@ class PicConfig:
         _check_fraction("cacheblend_ratio", self.cacheblend_ratio)
         _check_fraction("cachetune_r", self.cachetune_r)
         _check_fraction("cachetune_alpha", self.cachetune_alpha)
-        if not self.daric_n_avg >= 0:
-            raise ValueError(f"daric_n_avg must be >= 0, got {self.daric_n_avg}")
-        if self.daric_max_iters < 0:
-            raise ValueError(f"daric_max_iters must be >= 0, got {self.daric_max_iters}")
-        if self.epic_k < 0:
-            raise ValueError(f"epic_k must be >= 0, got {self.epic_k}")
-        if self.segment_tokens < 1:
-            raise ValueError(f"segment_tokens must be >= 1, got {self.segment_tokens}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        # n_avg = 0 would select nothing: that is full_reuse, asked for by name.
+        _check_range("daric_n_avg", self.daric_n_avg, 0, MAX_BUDGET_TOKENS, low_open=True)
+        _check_range("daric_max_iters", self.daric_max_iters, 0, MAX_DARIC_ITERS)
+        _check_range("epic_k", self.epic_k, 0, MAX_BUDGET_TOKENS)
+        _check_range("segment_tokens", self.segment_tokens, 1, MAX_BUDGET_TOKENS)
+        _check_range("page_size", self.page_size, 1, 1 << 16)
+        _check_range("max_chunks", self.max_chunks, 1, 1 << 16)
+        _check_range("min_chunk_tokens", self.min_chunk_tokens, 1, MAX_BUDGET_TOKENS)
         if not self.delimiter:
             raise ValueError("delimiter must be a non-empty string")
 
@@ -85,6 +95,26 @@ class PicConfig:
                 f"unknown setting(s) {unknown}; valid settings: {', '.join(sorted(known))}"
             )
         return replace(self, **overrides)
+
+
+# Exact types per field annotation: JSON's true is not the integer 1, and NaN is no budget.
+_TYPE_CHECKS: dict[str, tuple[Any, str]] = {
+    "float": (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
+    "int": (lambda v: type(v) is int, "an integer"),
+    "str": (lambda v: type(v) is str, "a string"),
+}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    check, what = _TYPE_CHECKS[str(annotation)]
+    if not check(value):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _check_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    if not (low < value if low_open else low <= value) or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
 
 
 def _check_fraction(name: str, value: float) -> None:

@@ -8,6 +8,7 @@ given). ``--pic-disable`` serves plain SGLang through the same launcher (the bas
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 
 from sgl_pic.config import MTAF_NAMES, POLICY_NAMES, PicConfig
@@ -26,6 +27,8 @@ PIC_FLAGS: dict[str, str] = {
     "--pic-alpha": "cachetune_alpha",
     "--pic-segment-tokens": "segment_tokens",
     "--pic-delimiter": "delimiter",
+    "--pic-max-chunks": "max_chunks",
+    "--pic-min-chunk-tokens": "min_chunk_tokens",
 }
 
 
@@ -45,6 +48,15 @@ def pic_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--pic-segment-tokens", type=int, default=d.segment_tokens)
     g.add_argument("--pic-delimiter", default=d.delimiter)
     g.add_argument(
+        "--pic-max-chunks", type=int, default=d.max_chunks, help="most chunks per request"
+    )
+    g.add_argument(
+        "--pic-min-chunk-tokens",
+        type=int,
+        default=d.min_chunk_tokens,
+        help="fewest tokens per chunk",
+    )
+    g.add_argument(
         "--pic-device-cache-fraction",
         type=float,
         default=0.5,
@@ -63,6 +75,14 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         help="pick CacheTune's r per tier at start-up (cost model + golden-section search)",
     )
     g.add_argument("--pic-feed-mode", choices=FEED_MODES, default="threaded")
+    g.add_argument(
+        "--pic-feed-timeout-s",
+        type=float,
+        default=30.0,
+        help="longest wait for one layer of host/disk KV; past it the batch runs exactly",
+    )
+    g.add_argument("--pic-max-body-mb", type=int, default=64, help="largest request body")
+    g.add_argument("--pic-max-json-depth", type=int, default=64, help="deepest JSON nesting")
     g.add_argument("--pic-disable", action="store_true", help="serve plain SGLang")
     return p
 
@@ -122,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         sglang_argv = with_cpu_defaults(sglang_argv)
     model_path = _flag_value(sglang_argv, "--model-path") or _flag_value(sglang_argv, "--model")
     assert model_path is not None
-    PicServerSettings(
+    settings = PicServerSettings(
         config,
         model_path=model_path,
         device_cache_fraction=ns.pic_device_cache_fraction,
@@ -133,7 +153,12 @@ def main(argv: list[str] | None = None) -> None:
         disk_cache_mb=ns.pic_disk_cache_mb,
         calibrate=ns.pic_calibrate,
         feed_mode=ns.pic_feed_mode,
-    ).to_env()
+        feed_timeout_s=ns.pic_feed_timeout_s,
+        max_body_mb=ns.pic_max_body_mb,
+        max_json_depth=ns.pic_max_json_depth,
+        secret=secrets.token_hex(32),
+    )
+    settings.to_env()
 
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins

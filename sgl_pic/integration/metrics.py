@@ -107,6 +107,20 @@ class PicMetrics:
             "Requests the scheduler refused with an error (e.g. token ids outside the vocabulary)",
             ["reason"],
         )
+        self.queue_drops = Counter(
+            "sgl_pic_queue_drops",
+            "Background jobs dropped because their bounded queue was full or closed",
+            ["queue"],
+        )
+        self.shutdown_writes = Counter(
+            "sgl_pic_shutdown_writes",
+            "Queued tier writes at shutdown, by outcome (completed or dropped; never partial)",
+            ["outcome"],
+        )
+        self.feed_timeouts = Counter(
+            "sgl_pic_feed_timeouts",
+            "Host/disk layer feeds that stalled past the timeout (the batch ran as exact prefill)",
+        )
         self._errors_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
             "sgl_pic_last_hit_rate",

@@ -88,7 +88,9 @@ def build_tree_cache(ctx: Any) -> Any:
     assert cache.chunk_nodes is not None
     metrics = PicMetrics()
     lower = (
-        _lower_tiers(settings, fingerprint, inv_freq, pool) if settings.has_lower_tiers else None
+        _lower_tiers(settings, fingerprint, inv_freq, pool, metrics)
+        if settings.has_lower_tiers
+        else None
     )
     ratios = None
     if settings.calibrate and lower is not None:
@@ -139,7 +141,9 @@ def build_tree_cache(ctx: Any) -> Any:
     return cache
 
 
-def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, pool: Any) -> Any:
+def _lower_tiers(
+    settings: Any, fingerprint: Any, inv_freq: torch.Tensor, pool: Any, metrics: Any
+) -> Any:
     """Host and disk tiers keyed by the pre-RoPE fingerprint. With the disk tier off, its
     place is a zero-capacity tier in a private temporary directory that keeps nothing."""
     import dataclasses

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from sgl_pic.config import PicConfig
 from sgl_pic.integration.layer_feed import FEED_MODES
@@ -29,6 +29,13 @@ class PicServerSettings:
     calibrate:            measure load and compute costs at start-up and pick CacheTune's r
                           per tier (stored as calibration.json beside the disk tier).
     feed_mode:            how host/disk KV is loaded during phase 2: "threaded" or "inorder".
+    feed_timeout_s:       longest wait for one layer of host/disk KV; a stuck feed makes
+                          its batch run as exact prefill.
+    max_body_mb:          largest HTTP request body accepted (413 above it).
+    max_json_depth:       deepest JSON nesting accepted in a request body (400 above it).
+    secret:               per-launch key that signs the chunk marks our HTTP translation
+                          makes; the scheduler honours only marks it signed. Empty (SGLang's
+                          own launcher) means no marks are honoured: reuse stays off.
     """
 
     config: PicConfig
@@ -39,6 +46,10 @@ class PicServerSettings:
     disk_cache_mb: int = 8192
     calibrate: bool = False
     feed_mode: str = "threaded"
+    feed_timeout_s: float = 30.0
+    max_body_mb: int = 64
+    max_json_depth: int = 64
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.device_cache_fraction <= 1.0:
@@ -51,6 +62,10 @@ class PicServerSettings:
             raise ValueError(
                 f"unknown feed_mode {self.feed_mode!r}; valid: {', '.join(FEED_MODES)}"
             )
+        if not 0.0 < self.feed_timeout_s <= 3600.0:
+            raise ValueError(f"feed_timeout_s must be in (0, 3600], got {self.feed_timeout_s}")
+        if self.max_body_mb < 1 or self.max_json_depth < 4:
+            raise ValueError("max_body_mb must be >= 1 and max_json_depth >= 4")
         if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):
             raise ValueError("calibration picks r per host/disk tier: enable one of them")
 
