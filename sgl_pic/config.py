@@ -18,6 +18,16 @@ POLICY_NAMES: tuple[str, ...] = (
     "cachetune",
 )
 MTAF_NAMES: tuple[str, ...] = ("linear", "log", "exp")
+# The settings each policy's selection reads: requests that agree on them build the same
+# approximation, so they may share prefix KV (see ``approximation_key``).
+POLICY_FIELDS: dict[str, tuple[str, ...]] = {
+    "full_recompute": (),
+    "full_reuse": (),
+    "epic": ("epic_k",),
+    "cacheblend": ("cacheblend_ratio",),
+    "daric": ("daric_r", "daric_n_avg", "daric_mtaf", "daric_max_iters"),
+    "cachetune": ("cachetune_r", "cachetune_alpha"),
+}
 # Upper bounds keep one request from buying unbounded scheduler work (DARIC's merge
 # rounds, budgets far past any chunk) with a single number.
 MAX_BUDGET_TOKENS = 1 << 20
@@ -62,7 +72,11 @@ class PicConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
+            value = getattr(self, f.name)
+            _check_type(f.name, value, f.type)
+            if f.type == "float":
+                # 32 and 32.0 are one budget: one value, one approximation key.
+                object.__setattr__(self, f.name, float(value))
         if self.policy not in POLICY_NAMES:
             raise ValueError(
                 f"unknown policy {self.policy!r}; valid policies: {', '.join(POLICY_NAMES)}"
@@ -85,6 +99,24 @@ class PicConfig:
         _check_range("min_chunk_tokens", self.min_chunk_tokens, 1, MAX_BUDGET_TOKENS)
         if not self.delimiter:
             raise ValueError("delimiter must be a non-empty string")
+
+    @property
+    def exact(self) -> bool:
+        """Whether this config recomputes every reused token, so its output is exact prefill:
+        full_recompute, or a ratio policy at r = 1."""
+        return (
+            self.policy == "full_recompute"
+            or (self.policy == "cachetune" and self.cachetune_r == 1.0)
+            or (self.policy == "cacheblend" and self.cacheblend_ratio == 1.0)
+        )
+
+    def approximation_key(self) -> str:
+        """Names the approximation this config's selection makes: ``exact``, or the policy
+        with the settings it reads. Equal keys mean equal KV for equal chunks and hits."""
+        if self.exact:
+            return "exact"
+        values = [repr(getattr(self, f)) for f in POLICY_FIELDS[self.policy]]
+        return ",".join([self.policy, *values])
 
     def with_overrides(self, **overrides: Any) -> PicConfig:
         """A validated copy with some settings replaced (per-request overrides)."""

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
         register()
         tokenizer = _flag_value(sglang_argv, "--tokenizer-path") or model_path
-        http_ext.install(config, tokenizer)
+        http_ext.install(settings, tokenizer)
     load_plugins()
     run_server(prepare_server_args(sglang_argv))
 

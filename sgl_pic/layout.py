@@ -72,7 +72,8 @@ class PromptLayout:
         """Build from ``[[start, end], ...]`` as sent over an API."""
         parsed = []
         for i, pair in enumerate(spans):
-            if len(pair) != 2 or not all(isinstance(v, int) for v in pair):
+            # type() rather than isinstance: JSON's true is not a token index.
+            if len(pair) != 2 or not all(type(v) is int for v in pair):
                 raise LayoutError(f"chunk {i} must be a pair of integers [start, end], got {pair}")
             parsed.append(Span(int(pair[0]), int(pair[1])))
         return cls(num_tokens, tuple(parsed))

@@ -45,22 +45,18 @@ from sgl_pic.integration.attention import (
     ProbeDone,
 )
 from sgl_pic.integration.chunk_nodes import ChunkNode, ChunkNodeTable
+from sgl_pic.integration.gate import Pending
 from sgl_pic.integration.kv_access import KVAccess, single_thread
 from sgl_pic.integration.layer_feed import LayerFeed, MissingChunkError
 from sgl_pic.integration.lower_tiers import LowerHit, LowerTiers
 from sgl_pic.integration.metrics import PicMetrics, RequestStats
-from sgl_pic.integration.spans import PicRequest
 from sgl_pic.selection import SelectionContext, cachetune_ranking, finalize, make_policy
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Pending:
-    """A chunked request registered by the scheduler before its extend forward."""
-
-    request: PicRequest
-    token_ids: tuple[int, ...]
+# Lower-tier chunks being promoted into chunk nodes at once; more are dropped (counted):
+# a promotion only saves a later load, and an unbounded backlog would hold host memory.
+MAX_PROMOTIONS = 32
 
 
 @dataclass
@@ -108,7 +104,9 @@ class ChunkExecutor:
         self.metrics = metrics
         self.ratios = ratios
         self.feed_mode = feed_mode
-        self.pending: dict[int, Pending] = {}
+        # Chunked requests of the batch being forwarded, by SGLang request id: set when the
+        # batch is prepared (``plugin._after_prepare_for_extend``), emptied by ``forward``.
+        self.handoff: dict[str, Pending] = {}
         self._promoter: ThreadPoolExecutor | None = None
         # chunk token ids -> (full load on the promoter, its ranking, the table's generation)
         self._promoting: dict[tuple[int, ...], tuple[Future[torch.Tensor | None], Any, int]] = {}
@@ -128,21 +126,23 @@ class ChunkExecutor:
         by ``forward_batch`` (out_cache_loc and attention groups set by the caller here)."""
         if self._promoting:
             self._finish_promotions()
-        pool_idx = forward_batch.req_pool_indices.tolist()
-        if not any(i in self.pending for i in pool_idx):
+        handoff, self.handoff = self.handoff, {}
+        rids = forward_batch.rids
+        if not handoff or rids is None:
             return None
+        pool_idx = forward_batch.req_pool_indices.tolist()
         prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
         ext_lens = list(forward_batch.extend_seq_lens_cpu)
         specs: dict[int, tuple[int, int, torch.Tensor, Pending, PicConfig]] = {}
         row = 0
         for b, idx in enumerate(pool_idx):
-            pending = self.pending.pop(idx, None)
+            pending = handoff.get(rids[b])
             total = prefix_lens[b] + ext_lens[b]
             if pending is not None:
                 if total != len(pending.token_ids) or _wants_input_logprobs(forward_batch, b):
                     # A chunked-prefill piece before the last, or logprobs of input tokens
                     # (rows this path leaves zero): run it as SGLang would.
-                    logger.warning("sgl_pic: request in pool slot %d runs without reuse", idx)
+                    logger.warning("sgl_pic: request %s runs without reuse", rids[b])
                     self.metrics.fallbacks.inc()
                 else:
                     slots = req_to_token[idx, :total].to(torch.int64)
@@ -492,6 +492,9 @@ class ChunkExecutor:
             for start, end, hit in plan.lower:
                 chunk_ids = plan.pending.token_ids[start:end]
                 if chunk_ids in self._promoting or self.nodes.match(chunk_ids) is not None:
+                    continue
+                if len(self._promoting) >= MAX_PROMOTIONS:
+                    self.metrics.queue_drops.labels(queue="promotion").inc()
                     continue
                 if self._promoter is None:
                     self._promoter = ThreadPoolExecutor(1, thread_name_prefix="sgl-pic-promote")

@@ -1,12 +1,21 @@
-"""Chunk marks on SGLang's ``/generate`` and ``/v1/chat/completions``: parsing, validation,
-HTTP 400.
+"""Chunk marks on SGLang's HTTP API: parsing, validation, signing, HTTP 4xx.
 
-A pure ASGI middleware in front of SGLang's FastAPI app rewrites a chunked request into a
-plain SGLang request (``input_ids`` plus the marks in ``sampling_params.custom_params``)
-before SGLang sees it; malformed marks are answered with 400 and a message, and never reach
-the engine, so the server keeps serving.
+A pure ASGI middleware in front of SGLang's FastAPI app checks every POST body and rewrites
+a chunked request into a plain SGLang request (``input_ids`` plus signed marks in the
+custom params) before SGLang sees it. What a client can get wrong is answered here with a
+4xx and a message, so it never reaches the engine:
 
-Request forms (single requests; a batch with chunk marks is rejected):
+- any body: over ``max_body_mb`` (413), JSON nested deeper than ``max_json_depth`` (400),
+  internal keys a client may not send (``sgl_pic_*`` custom params, an ``sgl_pic`` extra
+  key) on any path (400);
+- token ids outside the vocabulary, negative or not integers, in plain requests too
+  (``/generate`` single and batch, ``/v1/completions`` token prompts) (400);
+- malformed marks, overrides or limits (400).
+
+The scheduler checks the same rules again where the work happens (``gate.py``); the edge
+only gives clients a clear answer early.
+
+Request forms (single requests; a batch with chunk marks is refused):
   {"input_ids": [...], "pic": {"chunks": [[s, e], ...], "config": {...}}, ...}
   {"text": "q <d>chunk A<d> <d>chunk B<d> question", "pic": {"config": {...}}, ...}
   {"text": "... <d>chunk<d> ..."}            (the delimiter alone marks chunks)
@@ -24,30 +33,54 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from sgl_pic.config import PicConfig
 from sgl_pic.integration.spans import (
+    INTERNAL_PREFIX,
+    MAC_KEY,
+    MarkSigner,
+    SpecialTokens,
+    check_limits,
     check_overrides,
     encode,
     layout_from_spans,
+    special_tokens,
     split_on_delimiter,
 )
 from sgl_pic.layout import LayoutError, PaddedPrompt, PromptLayout, pad_chunk_starts
 
-PREFIX_NAMESPACE = "sgl_pic:"
 GENERATE_PATH = "/generate"
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+class BodyTooLarge(Exception):
+    """A request body over the size limit (HTTP 413)."""
 
 
 class RequestTranslator:
     """load_tokenizer() returns the model's HF tokenizer (``__call__`` and
-    ``apply_chat_template``); it is loaded on first use."""
+    ``apply_chat_template``); it is loaded on first use.
+    signer:     signs the marks of every rewritten request (None: unsigned, which the
+                scheduler does not honour; for tests of the rewrite alone).
+    vocab_size: the model's vocabulary; token ids outside it are refused (None: unchecked
+                here, the scheduler still checks)."""
 
-    def __init__(self, config: PicConfig, load_tokenizer: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        config: PicConfig,
+        load_tokenizer: Callable[[], Any],
+        signer: MarkSigner | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         self.config = config
+        self.signer = signer
+        self.vocab_size = vocab_size
         self._load_tokenizer = load_tokenizer
         self._tokenizer: Any = None
+        self._specials: SpecialTokens | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -75,17 +108,52 @@ class RequestTranslator:
             return PaddedPrompt(ids, layout)
         return pad_chunk_starts(ids, layout, self.config.page_size, self.pad_id())
 
-    def tokenize(self, text: str, is_first: bool) -> list[int]:
-        """Special tokens (e.g. BOS) only on the first piece of a prompt."""
-        return list(self.tokenizer(text, add_special_tokens=is_first)["input_ids"])
+    def _tokenize(self, text: str, special: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    @property
+    def specials(self) -> SpecialTokens:
+        """What the tokenizer adds around a whole prompt (e.g. BOS)."""
+        if self._specials is None:
+            self._specials = special_tokens(self._tokenize)
+        return self._specials
+
+    def check_ids(self, ids: Any, field: str) -> None:
+        """Raises LayoutError unless ``ids`` is a non-empty list of token ids in the
+        vocabulary (``field`` names it in the message)."""
+        if not isinstance(ids, list) or not ids:
+            raise LayoutError(f"'{field}' must be a non-empty list of token ids")
+        for i, t in enumerate(ids):
+            if type(t) is not int:
+                raise LayoutError(f"'{field}'[{i}] must be an integer token id, got {t!r}")
+            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
+                raise LayoutError(
+                    f"'{field}'[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
+
+    def check_id_lists(self, value: Any, field: str) -> None:
+        """``value`` as a request's token ids: one list, or a batch of lists."""
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            for b, ids in enumerate(value):
+                self.check_ids(ids, f"{field}[{b}]")
+        else:
+            self.check_ids(value, field)
+
+    def completions(self, obj: dict[str, Any]) -> None:
+        """/v1/completions: a token-id prompt (one or a batch) is checked like input_ids."""
+        prompt = obj.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            self.check_id_lists(prompt, "prompt")
 
     def chat(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """/v1/chat/completions: messages (or text items of a content list) marked with
         ``"pic_chunk": true`` become chunks. The chat template is rendered here with each
         chunk wrapped in delimiters, tokenized piecewise, and sent as SGLang's ``input_ids``
-        (which bypasses its own templating) plus the marks in ``custom_params``."""
+        (which bypasses its own templating) plus the signed marks in ``custom_params``."""
         messages = obj.get("messages")
         if not isinstance(messages, list) or not _has_chat_marks(messages):
+            if "pic" in obj:
+                raise LayoutError("'pic' needs at least one message marked with 'pic_chunk'")
             return None
         d = self.config.delimiter
         rendered_msgs = []
@@ -100,32 +168,36 @@ class RequestTranslator:
                         raise LayoutError(
                             f"message {i} item {j}: only text items may stand beside chunks"
                         )
-                    text = str(item.get("text", ""))
+                    text = item.get("text")
+                    if not isinstance(text, str):
+                        raise LayoutError(f"message {i} item {j}: 'text' must be a string")
+                    if d in text:
+                        raise LayoutError(f"message {i} item {j} contains the delimiter {d!r}")
                     parts.append(d + text + d if item.get("pic_chunk") else text)
                 text = "".join(parts)
             elif isinstance(content, str):
+                if d in content:
+                    raise LayoutError(f"message {i} contains the chunk delimiter {d!r}")
                 text = d + content + d if msg.get("pic_chunk") else content
             else:
                 raise LayoutError(f"message {i} has no text content")
-            if d in (content if isinstance(content, str) else "") and not msg.get("pic_chunk"):
-                raise LayoutError(f"message {i} contains the chunk delimiter {d!r}")
-            rendered_msgs.append({"role": msg.get("role", "user"), "content": text})
+            role = msg.get("role", "user")
+            if not isinstance(role, str):
+                raise LayoutError(f"message {i}: 'role' must be a string")
+            rendered_msgs.append({"role": role, "content": text})
         prompt = self.tokenizer.apply_chat_template(
             rendered_msgs, tokenize=False, add_generation_prompt=True
         )
         # The template already holds its special tokens as text.
-        ids, layout = split_on_delimiter(
-            prompt,
-            d,
-            lambda t, _first: list(self.tokenizer(t, add_special_tokens=False)["input_ids"]),
-        )
+        ids, layout = split_on_delimiter(prompt, d, lambda t: self._tokenize(t, False))
         ids, layout = self.align(ids, layout)
+        check_limits(layout, self.config)
+        self.check_ids(ids, "input_ids")
         obj["messages"] = [_strip_marks(m) for m in messages]
         obj["input_ids"] = ids
-        custom = dict(obj.get("custom_params") or {})
-        custom.update(encode(layout, self._overrides(obj.pop("pic", None))))
+        custom = _custom_params(obj.get("custom_params"))
+        custom.update(self._marks(ids, layout, self._overrides(obj.pop("pic", None))))
         obj["custom_params"] = custom
-        obj["extra_key"] = _namespaced(obj.get("extra_key"))
         return obj
 
     def _overrides(self, pic: Any) -> dict[str, Any]:
@@ -138,12 +210,26 @@ class RequestTranslator:
             raise LayoutError(f"unknown field(s) {unknown} in 'pic'; allowed: config")
         return check_overrides(pic.get("config"), self.config)
 
+    def _marks(self, ids: list[int], layout: PromptLayout, overrides: dict[str, Any]) -> dict:
+        marks = encode(layout, overrides)
+        if self.signer is not None:
+            marks[MAC_KEY] = self.signer.sign(ids, marks)
+        return marks
+
     def generate(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """The rewritten request, or None when it carries no chunk marks.
-        Raises LayoutError for malformed marks."""
+        """The rewritten request, or None when it carries no chunk marks (its token ids
+        checked all the same). Raises LayoutError for anything malformed."""
         pic = obj.pop("pic", None)
         text = obj.get("text")
-        has_delim = isinstance(text, str) and self.config.delimiter in text
+        d = self.config.delimiter
+        if isinstance(text, list) and any(isinstance(t, str) and d in t for t in text):
+            raise LayoutError(
+                f"a batch of texts cannot carry chunk marks ({d!r}); send each chunked prompt "
+                "as its own request"
+            )
+        if obj.get("input_ids") is not None:
+            self.check_id_lists(obj["input_ids"], "input_ids")
+        has_delim = isinstance(text, str) and d in text
         if pic is None and not has_delim:
             return None
         if pic is None:
@@ -155,15 +241,16 @@ class RequestTranslator:
             raise LayoutError(f"unknown field(s) {unknown} in 'pic'; allowed: chunks, config")
         overrides = self._overrides({"config": pic.get("config")})
         ids, layout = self.align(*self._layout(obj, pic))
+        check_limits(layout, self.config)
+        self.check_ids(ids, "input_ids")
         obj.pop("text", None)
         obj["input_ids"] = ids
         sp = obj.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise LayoutError("chunk marks need a single request ('sampling_params' object)")
-        custom = dict(sp.get("custom_params") or {})
-        custom.update(encode(layout, overrides))
+        custom = _custom_params(sp.get("custom_params"))
+        custom.update(self._marks(ids, layout, overrides))
         obj["sampling_params"] = {**sp, "custom_params": custom}
-        obj["extra_key"] = _namespaced(obj.get("extra_key"))
         return obj
 
     def _layout(self, obj: dict[str, Any], pic: dict[str, Any]) -> tuple[list[int], PromptLayout]:
@@ -183,15 +270,28 @@ class RequestTranslator:
                 "chunk marks need one 'text' string with delimiters, or 'input_ids' with "
                 "'pic.chunks'"
             )
-        return split_on_delimiter(text, self.config.delimiter, self.tokenize)
+        return split_on_delimiter(
+            text, self.config.delimiter, lambda t: self._tokenize(t, False), self.specials
+        )
 
 
 class PicHTTPMiddleware:
-    """ASGI middleware applying ``RequestTranslator`` to POST /generate and chat."""
+    """ASGI middleware: body limits and internal-key checks on every POST, then
+    ``RequestTranslator`` on /generate, /v1/completions and chat.
 
-    def __init__(self, app: Any, translator: RequestTranslator) -> None:
+    max_body_bytes: largest body accepted (413 past it); max_json_depth: deepest nesting."""
+
+    def __init__(
+        self,
+        app: Any,
+        translator: RequestTranslator,
+        max_body_bytes: int = 64 << 20,
+        max_json_depth: int = 64,
+    ) -> None:
         self.app = app
         self.translator = translator
+        self.max_body_bytes = max_body_bytes
+        self.max_json_depth = max_json_depth
 
     async def __call__(
         self,
@@ -199,32 +299,20 @@ class PicHTTPMiddleware:
         receive: Callable[[], Awaitable[dict[str, Any]]],
         send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
-        if not (
-            scope["type"] == "http"
-            and scope.get("method") == "POST"
-            and scope.get("path") in (GENERATE_PATH, CHAT_PATH)
-        ):
+        if not (scope["type"] == "http" and scope.get("method") in ("POST", "PUT")):
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            msg = await receive()
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
         try:
-            obj = json.loads(body)
-            if not isinstance(obj, dict):
-                new = None
-            elif scope["path"] == CHAT_PATH:
-                new = self.translator.chat(obj)
-            else:
-                new = self.translator.generate(obj)
-        except json.JSONDecodeError:
-            new = None  # SGLang answers malformed JSON itself
+            body = await self._read_body(scope, receive)
+        except BodyTooLarge:
+            await _send_error(
+                send, 413, f"request body over {self.max_body_bytes} bytes (--pic-max-body-mb)"
+            )
+            return
+        try:
+            new = self._check(scope, body)
         except LayoutError as e:
-            await _send_json(send, 400, {"error": {"message": str(e), "code": 400}})
+            await _send_error(send, 400, str(e))
             return
         if new is not None:
             body = json.dumps(new).encode()
@@ -241,11 +329,83 @@ class PicHTTPMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _read_body(
+        self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> bytes:
+        """The whole body; raises BodyTooLarge as soon as it is known to be over the limit."""
+        for k, v in scope["headers"]:
+            if k.lower() == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
+                raise BodyTooLarge
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise BodyTooLarge
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
 
-async def _send_json(
-    send: Callable[[dict[str, Any]], Awaitable[None]], status: int, payload: dict[str, Any]
+    def _check(self, scope: dict[str, Any], body: bytes) -> dict[str, Any] | None:
+        """The rewritten request, or None to pass the body on as it is; raises LayoutError
+        for a body a client must be told about."""
+        if body.lstrip()[:1] not in (b"{", b"["):
+            return None  # not JSON: SGLang's own parsing answers it
+        try:
+            obj = json.loads(body)
+        except RecursionError as e:
+            raise LayoutError(f"JSON nested deeper than {self.max_json_depth} levels") from e
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None  # SGLang answers malformed JSON itself
+        check_client_body(obj, self.max_json_depth)
+        if not isinstance(obj, dict):
+            return None
+        path = scope.get("path")
+        if path == CHAT_PATH:
+            return self.translator.chat(obj)
+        if path == GENERATE_PATH:
+            return self.translator.generate(obj)
+        if path == COMPLETIONS_PATH:
+            self.translator.completions(obj)
+        return None
+
+
+def check_client_body(obj: Any, max_depth: int) -> None:
+    """Raises LayoutError when a parsed body nests deeper than ``max_depth``, holds an
+    internal key (``sgl_pic_*`` in any ``custom_params``, an ``sgl_pic`` extra key), or
+    marks a chat chunk with anything but a boolean. Iterative: depth is what it bounds."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise LayoutError(f"JSON nested deeper than {max_depth} levels (--pic-max-json-depth)")
+        if isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        custom = node.get("custom_params")
+        if isinstance(custom, dict) and any(
+            isinstance(k, str) and k.startswith(INTERNAL_PREFIX) for k in custom
+        ):
+            raise LayoutError(
+                f"custom_params keys starting with {INTERNAL_PREFIX!r} are internal; send "
+                "chunk marks as 'pic' or with the delimiter"
+            )
+        extra = node.get("extra_key")
+        extras = extra if isinstance(extra, list) else [extra]
+        if any(isinstance(e, str) and e.startswith(INTERNAL_PREFIX) for e in extras):
+            raise LayoutError(f"extra_key values starting with {INTERNAL_PREFIX!r} are internal")
+        if "pic_chunk" in node and not isinstance(node["pic_chunk"], bool):
+            raise LayoutError(f"'pic_chunk' must be true or false, got {node['pic_chunk']!r}")
+        stack.extend((v, depth + 1) for v in node.values())
+
+
+async def _send_error(
+    send: Callable[[dict[str, Any]], Awaitable[None]], status: int, message: str
 ) -> None:
-    data = json.dumps(payload).encode()
+    data = json.dumps({"error": {"message": message, "code": status}}).encode()
     await send(
         {
             "type": "http.response.start",
@@ -259,25 +419,23 @@ async def _send_json(
     await send({"type": "http.response.body", "body": data})
 
 
-def _namespaced(extra_key: Any) -> str:
-    """SGLang's prefix-tree namespace for chunked requests. Their KV is approximate past the
-    recomputed tokens, and SGLang inserts it into the prefix tree under the token ids: in a
-    namespace of its own it serves later chunked requests (hit-aware reuse) but never a
-    plain request, which stays exact."""
-    if extra_key is not None and not isinstance(extra_key, str):
-        raise LayoutError("'extra_key' must be one string for a chunked request")
-    return PREFIX_NAMESPACE + (extra_key or "")
+def _custom_params(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise LayoutError(f"'custom_params' must be an object, got {type(value).__name__}")
+    return dict(value)
 
 
 def _has_chat_marks(messages: list[Any]) -> bool:
     for msg in messages:
         if not isinstance(msg, dict):
             continue
-        if msg.get("pic_chunk"):
+        if msg.get("pic_chunk") is True:
             return True
         content = msg.get("content")
         if isinstance(content, list) and any(
-            isinstance(item, dict) and item.get("pic_chunk") for item in content
+            isinstance(item, dict) and item.get("pic_chunk") is True for item in content
         ):
             return True
     return False
@@ -301,11 +459,33 @@ def hf_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def install(config: PicConfig, tokenizer_path: str) -> None:
-    """Puts the middleware in front of SGLang's HTTP app (call before the server starts)."""
+def model_vocab_size(model_path: str) -> int | None:
+    """The model's vocabulary size from its config.json (None when it cannot be read: the
+    scheduler's gate still checks every id)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for source in (cfg, cfg.get("text_config") or {}):
+        value = source.get("vocab_size")
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
+def install(settings: Any, tokenizer_path: str) -> None:
+    """Puts the middleware in front of SGLang's HTTP app (call before the server starts).
+    ``settings`` is the launch's PicServerSettings (config, secret, body limits)."""
     from sglang.srt.entrypoints.http_server import app
 
     app.add_middleware(
         PicHTTPMiddleware,
-        translator=RequestTranslator(config, lambda: hf_tokenizer(tokenizer_path)),
+        translator=RequestTranslator(
+            settings.config,
+            lambda: hf_tokenizer(tokenizer_path),
+            signer=MarkSigner(settings.secret),
+            vocab_size=model_vocab_size(settings.model_path),
+        ),
+        max_body_bytes=settings.max_body_mb << 20,
+        max_json_depth=settings.max_json_depth,
     )

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _registered = False
 _executor: Any = None  # ChunkExecutor of this scheduler process, once the backend is built
+_gate: Any = None  # AdmissionGate of this scheduler process, once the backend is built
 _req_to_token: torch.Tensor | None = None
 
 MODEL_FORWARD_TARGETS = ("sglang.srt.models.llama.LlamaModel.forward",)
@@ -28,6 +29,9 @@ ATTENTION_TARGET = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 )
 PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+# Called by the scheduler on every generate request before it is queued (the patch
+# reaches the scheduler's own ``from ... import`` binding through HookRegistry).
+ADMIT_TARGET = "sglang.srt.managers.utils.validate_input_length"
 TORCH_NATIVE = "torch_native"
 
 
@@ -50,18 +54,21 @@ def register() -> None:
         HookRegistry.register(target, _model_forward_hook, HookType.AROUND)
     HookRegistry.register(ATTENTION_TARGET, torch_native_forward_extend_hook, HookType.AROUND)
     HookRegistry.register(PREPARE_TARGET, _after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register(ADMIT_TARGET, _admit_hook, HookType.AROUND)
 
 
 def build_tree_cache(ctx: Any) -> Any:
     """Radix cache factory: SGLang's own tree plus chunk nodes (``ChunkRadixCache``), the
     host and disk tiers under them, and the executor that uses them."""
-    global _executor, _req_to_token
+    global _executor, _gate, _req_to_token
     from sgl_pic.integration import radix_cache
     from sgl_pic.integration.chunk_nodes import ChunkNodeTable
     from sgl_pic.integration.executor import ChunkExecutor
+    from sgl_pic.integration.gate import AdmissionGate
     from sgl_pic.integration.kv_access import KVAccess
     from sgl_pic.integration.metrics import PicMetrics
     from sgl_pic.integration.settings import PicServerSettings
+    from sgl_pic.integration.spans import MarkSigner
     from sgl_pic.keys import ModelFingerprint, fingerprint_model_dir
     from sgl_pic.rope import default_inv_freq
 
@@ -78,6 +85,7 @@ def build_tree_cache(ctx: Any) -> Any:
         tp_size=int(ctx.tp_size),
     )
     inv_freq = default_inv_freq(head_dim, _rope_theta(hf))
+    vocab_size = int(ctx.model_config.vocab_size)
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
     capacity = int(settings.device_cache_fraction * pool_tokens)
 
@@ -114,7 +122,13 @@ def build_tree_cache(ctx: Any) -> Any:
             TORCH_NATIVE,
             sorted(backends),
         )
+        _gate = AdmissionGate(settings.config, None, vocab_size, metrics)
         return cache
+    if not settings.secret:
+        logger.error(
+            "sgl_pic: no mark-signing secret (not started by python -m sgl_pic.launch_server); "
+            "chunk marks are not honoured and every request runs as exact prefill"
+        )
     _executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,
@@ -125,6 +139,8 @@ def build_tree_cache(ctx: Any) -> Any:
         feed_mode=settings.feed_mode,
     )
     _req_to_token = ctx.params.req_to_token_pool.req_to_token
+    signer = MarkSigner(settings.secret) if settings.secret else None
+    _gate = AdmissionGate(settings.config, signer, vocab_size, metrics)
     logger.info(
         "sgl_pic chunk cache ready: policy=%s, chunk nodes up to %d of %d pool slots, "
         "host tier %d MiB, disk tier %s, %d layers, head dim %d",
@@ -145,10 +161,13 @@ def _lower_tiers(
     settings: Any, fingerprint: Any, inv_freq: torch.Tensor, pool: Any, metrics: Any
 ) -> Any:
     """Host and disk tiers keyed by the pre-RoPE fingerprint. With the disk tier off, its
-    place is a zero-capacity tier in a private temporary directory that keeps nothing."""
+    place is a zero-capacity tier in a private temporary directory that keeps nothing.
+    Their queued disk writes finish (bounded) or are dropped cleanly when this scheduler
+    process exits or gets SIGTERM/SIGINT, counted into ``metrics`` (``lifecycle``)."""
     import dataclasses
     import tempfile
 
+    from sgl_pic.integration.lifecycle import install_shutdown
     from sgl_pic.integration.lower_tiers import LowerTiers
     from sgl_pic.store.disk import DiskStoreConfig
     from sgl_pic.store.host import HostStoreConfig
@@ -168,7 +187,10 @@ def _lower_tiers(
     config = TieredStoreConfig(host, disk, promote_on_get=has_host, promote_on_get_layers=has_host)
     store = TieredStore(config, pre.digest())
     device = str(getattr(pool, "device", None) or "cpu")
-    return LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device=device)
+    lower = LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device=device)
+    # build_tree_cache runs on the scheduler's main thread, where signal handlers can be set.
+    install_shutdown(lower, metrics)
+    return lower
 
 
 def _rope_theta(hf: Any) -> float:
@@ -183,19 +205,36 @@ def _rope_theta(hf: Any) -> float:
     return float(theta)
 
 
+def _admit_hook(original: Any, req: Any, *args: Any, **kwargs: Any) -> str | None:
+    """SGLang's own input checks first; then, on a request SGLang accepts, the gate's."""
+    error = original(req, *args, **kwargs)
+    if error is not None or _gate is None:
+        return error
+    return _gate.admit(req)
+
+
 def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """Registers the chunked requests of a batch about to be extended, by pool slot."""
+    """Hands the batch's chunked requests to the executor, by SGLang's request id. The
+    hand-off is replaced per batch: SGLang forwards a batch right after preparing it, on
+    this thread, so nothing of an earlier batch may linger into this one."""
     if _executor is None:
         return result
-    from sgl_pic.integration.executor import Pending
-    from sgl_pic.integration.spans import decode
+    from sgl_pic.integration.gate import PENDING_ATTR
 
+    handoff = {}
     for req in batch.reqs:
-        pic = decode(getattr(req.sampling_params, "custom_params", None))
-        # SGLang 0.5.23 keeps the request's req_to_token row on its KV state object.
-        pool_idx = req.kv.req_pool_idx
-        if pic is not None and pool_idx is not None:
-            _executor.pending[int(pool_idx)] = Pending(pic, tuple(req.origin_input_ids))
+        pending = getattr(req, PENDING_ATTR, None)
+        if pending is None:
+            continue
+        if tuple(req.origin_input_ids) != pending.token_ids:
+            logger.warning(
+                "sgl_pic: request %s changed tokens after admission; it runs without reuse",
+                req.rid,
+            )
+            _executor.metrics.marks_ignored.labels(reason="tokens_changed").inc()
+            continue
+        handoff[req.rid] = pending
+    _executor.handoff = handoff
     return result
 
 

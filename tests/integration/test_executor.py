@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration.executor import ChunkExecutor, Pending, _contiguous_hit_length, _Plan
+from sgl_pic.integration.executor import ChunkExecutor, _contiguous_hit_length, _Plan
+from sgl_pic.integration.gate import Pending
 from sgl_pic.integration.spans import PicRequest
 from sgl_pic.layout import PromptLayout
 

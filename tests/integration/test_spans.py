@@ -30,12 +30,12 @@ class CharTokenizer:
 
 def translator(page_size: int, tokenizer: CharTokenizer | None = None) -> RequestTranslator:
     tok = tokenizer or CharTokenizer()
-    return RequestTranslator(PicConfig(delimiter="<d>", page_size=page_size), lambda: tok)
+    config = PicConfig(delimiter="<d>", page_size=page_size, min_chunk_tokens=1)
+    return RequestTranslator(config, lambda: tok)
 
 
 def chunk_texts(ids: list[int], custom: dict[str, Any], page_size: int) -> list[str]:
-    pic = decode(custom)
-    assert pic is not None
+    pic = decode(custom, PicConfig(min_chunk_tokens=1))
     assert custom[NUM_TOKENS_KEY] == len(ids) == pic.layout.num_tokens
     assert all(s.start % page_size == 0 for s in pic.layout.chunks)
     return ["".join(chr(t) for t in ids[s.start : s.end]) for s in pic.layout.chunks]
@@ -59,8 +59,7 @@ def test_explicit_spans_are_padded_with_their_input_ids() -> None:
     )
     assert out is not None
     assert out["input_ids"] == [5, 6, 7, 7, 97, 98, 7, 7, 99, 100]
-    pic = decode(out["sampling_params"]["custom_params"])
-    assert pic is not None
+    pic = decode(out["sampling_params"]["custom_params"], PicConfig(min_chunk_tokens=1))
     assert [(s.start, s.end) for s in pic.layout.chunks] == [(4, 6), (8, 9)]
 
 

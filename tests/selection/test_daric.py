@@ -16,7 +16,8 @@ from sgl_pic.selection import (
 )
 
 MTAFS = st.sampled_from(MTAF_NAMES)
-N_AVG = st.floats(min_value=0.0, max_value=512.0, allow_nan=False)
+# PicConfig refuses n_avg = 0 (that is full_reuse); daric_budget itself takes it.
+N_AVG = st.floats(min_value=0.0, max_value=512.0, allow_nan=False, exclude_min=True)
 RATIO = st.floats(min_value=1e-3, max_value=1.0)
 
 
@@ -120,9 +121,11 @@ def test_two_segments_keep_n2_and_the_total() -> None:
     assert (bud.per_chunk_tokens, bud.latest_tokens, bud.total_tokens) == ((2,), 18, 20)
 
 
-def test_zero_n_avg_selects_nothing() -> None:
-    layout = PromptLayout.from_lengths([10, 10, 10], fresh_tail=5)
-    assert daric_select(layout, PicConfig(daric_n_avg=0.0)).indices.tolist() == []
+def test_zero_n_avg_is_refused_as_a_config() -> None:
+    # A zero budget selects nothing, which is full_reuse: it must be asked for by name.
+    with pytest.raises(ValueError, match="daric_n_avg"):
+        PicConfig(daric_n_avg=0.0)
+    assert daric_budget(3, 0.0, 0.1, "linear").total_tokens == 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,147 @@
+"""The scheduler-side gate every generate request passes before SGLang queues it.
+
+It runs inside SGLang's scheduler (a hook around ``validate_input_length``), so it holds
+for every HTTP path and for clients that bypass our middleware:
+
+- token ids outside the vocabulary refuse the request with an error naming the index
+  (SGLang 0.5.23 would crash the scheduler on them);
+- chunk marks are honoured only when their MAC checks out against the request's tokens
+  (``MarkSigner``) and they pass the server's limits; otherwise they are stripped, counted,
+  logged once, and the request runs as exact prefill;
+- the request's prefix-tree namespace is set here from the verified config: exact requests
+  (full_recompute, r = 1) share ``sgl_pic:exact``, approximate ones share KV only with
+  requests making the same approximation (policy and budget). A namespace of ours that a
+  request claims without verified marks is moved aside, so approximate KV never reaches a
+  plain or exact request.
+
+Never raises: a failure inside the gate means exact prefill for that request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration.metrics import PicMetrics
+from sgl_pic.integration.spans import (
+    INTERNAL_PREFIX,
+    LimitError,
+    MarkSigner,
+    PicRequest,
+    decode,
+    has_marks,
+)
+from sgl_pic.layout import LayoutError
+
+logger = logging.getLogger(__name__)
+
+# Where an admitted request's verified marks wait for its extend batch (see ``Pending``).
+PENDING_ATTR = "_sgl_pic_pending"
+# Requests claiming one of our namespaces without verified marks are moved under this one,
+# which only ever holds exact KV of such requests.
+UNTRUSTED_NAMESPACE = "untrusted-namespace:"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A chunked request's verified marks and the exact token ids they were verified for;
+    the executor uses them only for a request whose ids still equal ``token_ids``."""
+
+    request: PicRequest
+    token_ids: tuple[int, ...]
+
+
+def namespace(config: PicConfig, user_key: str | None) -> str:
+    """The prefix-tree namespace (SGLang's ``extra_key``) of a chunked request."""
+    return f"{INTERNAL_PREFIX}:{config.approximation_key()}|{user_key or ''}"
+
+
+def first_out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> tuple[int, int] | None:
+    """(index, id) of the first id outside [0, vocab_size), or None."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return None
+    return next((i, int(t)) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+
+
+class AdmissionGate:
+    """signer: None when reuse is off in this process (SGLang's own launcher gave no
+    secret, or the attention backend is not supported): then no marks are honoured."""
+
+    def __init__(
+        self,
+        config: PicConfig,
+        signer: MarkSigner | None,
+        vocab_size: int,
+        metrics: PicMetrics,
+    ) -> None:
+        self.config = config
+        self.signer = signer
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+
+    def admit(self, req: Any) -> str | None:
+        """Checks SGLang's ``Req`` before it is queued: an error message to refuse it with,
+        or None. Rewrites ``req.extra_key`` and its custom params, and attaches ``Pending``
+        (``PENDING_ATTR``) to a request whose marks are honoured."""
+        try:
+            return self._admit(req)
+        except Exception:  # noqa: BLE001 - a request must never stop the scheduler
+            logger.exception("sgl_pic: admission of request %s failed", getattr(req, "rid", "?"))
+            self._ignore(req, "internal_error")
+            return None
+
+    def _admit(self, req: Any) -> str | None:
+        ids = req.origin_input_ids
+        bad = first_out_of_vocab(ids, self.vocab_size)
+        if bad is not None:
+            self.metrics.requests_refused.labels(reason="token_id").inc()
+            return (
+                f"input_ids[{bad[0]}] = {bad[1]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        custom = getattr(req.sampling_params, "custom_params", None)
+        extra = req.extra_key
+        claims_namespace = isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX)
+        if not (has_marks(custom) or claims_namespace):
+            return None
+        if claims_namespace or self.signer is None or not self.signer.verify(ids, custom):
+            self._ignore(req, "reuse_off" if self.signer is None else "bad_signature")
+            return None
+        try:
+            pic = decode(custom, self.config)
+        except LimitError:
+            self._ignore(req, "limit")
+            return None
+        except LayoutError:
+            self._ignore(req, "malformed")
+            return None
+        if pic.layout.num_tokens != len(ids):
+            self._ignore(req, "malformed")
+            return None
+        req.extra_key = namespace(pic.config(self.config), extra)
+        setattr(req, PENDING_ATTR, Pending(pic, tuple(ids)))
+        return None
+
+    def _ignore(self, req: Any, reason: str) -> None:
+        """Strips our keys and namespace from ``req``: it runs as exact prefill."""
+        self.metrics.marks_ignored.labels(reason=reason).inc()
+        logger.warning(
+            "sgl_pic: chunk marks of request %s not honoured (%s); it runs as exact prefill",
+            getattr(req, "rid", "?"),
+            reason,
+        )
+        sp = req.sampling_params
+        custom = getattr(sp, "custom_params", None)
+        if isinstance(custom, dict):
+            sp.custom_params = {
+                k: v
+                for k, v in custom.items()
+                if not (isinstance(k, str) and k.startswith(INTERNAL_PREFIX))
+            }
+        extra = getattr(req, "extra_key", None)
+        if isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX):
+            req.extra_key = UNTRUSTED_NAMESPACE + extra
+        if hasattr(req, PENDING_ATTR):
+            delattr(req, PENDING_ATTR)

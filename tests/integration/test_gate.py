@@ -1,0 +1,157 @@
+"""The scheduler-side admission gate on stand-ins for SGLang's ``Req`` (no server needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration.gate import (
+    PENDING_ATTR,
+    UNTRUSTED_NAMESPACE,
+    AdmissionGate,
+    namespace,
+)
+from sgl_pic.integration.metrics import PicMetrics
+from sgl_pic.integration.spans import MAC_KEY, MarkSigner, encode
+from sgl_pic.layout import PromptLayout
+
+VOCAB = 100
+SIGNER = MarkSigner("secret")
+CONFIG = PicConfig(min_chunk_tokens=2, max_chunks=3)
+IDS = list(range(10, 30))
+
+
+@pytest.fixture(scope="module")
+def metrics() -> PicMetrics:
+    return PicMetrics()  # one registration per process: Prometheus names are global
+
+
+def gate(metrics: PicMetrics, signer: MarkSigner | None = SIGNER) -> AdmissionGate:
+    return AdmissionGate(CONFIG, signer, VOCAB, metrics)
+
+
+def req(ids: list[int], custom: dict[str, Any] | None = None, extra: str | None = None) -> Any:
+    return SimpleNamespace(
+        rid="r1",
+        origin_input_ids=ids,
+        sampling_params=SimpleNamespace(custom_params=custom),
+        extra_key=extra,
+    )
+
+
+def signed(
+    ids: list[int], spans: list[list[int]], overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    marks = encode(PromptLayout.from_spans(len(ids), spans), overrides or {})
+    return {"user": 1, **marks, MAC_KEY: SIGNER.sign(ids, marks)}
+
+
+def ignored(metrics: PicMetrics, reason: str) -> float:
+    return metrics.marks_ignored.labels(reason=reason)._value.get()
+
+
+def assert_plain(r: Any) -> None:
+    assert not hasattr(r, PENDING_ATTR)
+    assert all(not k.startswith("sgl_pic") for k in r.sampling_params.custom_params or {})
+    assert not (r.extra_key or "").startswith("sgl_pic")
+
+
+def test_signed_marks_are_handed_on_with_a_namespace_per_approximation(
+    metrics: PicMetrics,
+) -> None:
+    r = req(IDS, signed(IDS, [[0, 5], [5, 12]], {"policy": "epic", "epic_k": 3}), "user")
+    assert gate(metrics).admit(r) is None
+    pending = getattr(r, PENDING_ATTR)
+    assert pending.token_ids == tuple(IDS)
+    assert [(s.start, s.end) for s in pending.request.layout.chunks] == [(0, 5), (5, 12)]
+    assert r.extra_key == namespace(CONFIG.with_overrides(policy="epic", epic_k=3), "user")
+    assert r.extra_key == "sgl_pic:epic,3|user"
+
+
+def test_exact_and_approximate_requests_never_share_a_namespace() -> None:
+    exact = {
+        namespace(PicConfig(policy=p, **kw), None)
+        for p, kw in [
+            ("full_recompute", {}),
+            ("cachetune", {"cachetune_r": 1.0}),
+            ("cacheblend", {"cacheblend_ratio": 1.0}),
+        ]
+    }
+    assert exact == {"sgl_pic:exact|"}
+    approx = {
+        namespace(PicConfig(**kw), None)
+        for kw in [{}, {"policy": "full_reuse"}, {"daric_n_avg": 64.0}, {"policy": "epic"}]
+    }
+    assert len(approx) == 4 and not approx & exact
+    # Settings a policy does not read do not split its namespace.
+    assert namespace(PicConfig(epic_k=5), None) == namespace(PicConfig(), None)
+
+
+@pytest.mark.parametrize(
+    ("custom", "extra", "reason"),
+    [
+        # Internal keys a client wrote itself: no MAC, a forged MAC, a MAC for other tokens.
+        (
+            {"sgl_pic_chunks": [0, 5], "sgl_pic_num_tokens": 20, "sgl_pic_config": {}},
+            None,
+            "bad_signature",
+        ),
+        ({**signed(IDS, [[0, 5]]), MAC_KEY: "0" * 64}, None, "bad_signature"),
+        (signed([*IDS[:-1], 99], [[0, 5]]), None, "bad_signature"),
+        # A namespace of ours claimed without verified marks.
+        ({}, "sgl_pic:full_reuse|", "bad_signature"),
+        # Signed but over the server's limits or malformed: plain prefill all the same.
+        (signed(IDS, [[0, 1]]), None, "limit"),
+        (signed(IDS, [[0, 3], [3, 6], [6, 9], [9, 12]]), None, "limit"),
+    ],
+)
+def test_marks_that_fail_run_as_exact_prefill(
+    metrics: PicMetrics, custom: dict[str, Any], extra: str | None, reason: str
+) -> None:
+    before = ignored(metrics, reason)
+    r = req(IDS, custom, extra)
+    assert gate(metrics).admit(r) is None
+    assert_plain(r)
+    assert ignored(metrics, reason) == before + 1
+    if extra is not None:
+        assert r.extra_key == UNTRUSTED_NAMESPACE + extra
+
+
+def test_malformed_signed_marks_never_raise(metrics: PicMetrics) -> None:
+    bad = {"sgl_pic_chunks": "x", "sgl_pic_num_tokens": True, "sgl_pic_config": {}}
+    bad[MAC_KEY] = SIGNER.sign(IDS, bad)
+    before = ignored(metrics, "malformed")
+    r = req(IDS, bad)
+    assert gate(metrics).admit(r) is None
+    assert_plain(r)
+    assert ignored(metrics, "malformed") == before + 1
+
+
+def test_without_a_secret_no_marks_are_honoured(metrics: PicMetrics) -> None:
+    r = req(IDS, signed(IDS, [[0, 5]]))
+    assert gate(metrics, signer=None).admit(r) is None
+    assert_plain(r)
+
+
+@pytest.mark.parametrize(("ids", "index", "value"), [([1, 2, VOCAB], 2, VOCAB), ([-1, 2], 0, -1)])
+def test_ids_outside_the_vocabulary_are_refused_by_index(
+    metrics: PicMetrics, ids: list[int], index: int, value: int
+) -> None:
+    error = gate(metrics).admit(req(ids))
+    assert error is not None and f"input_ids[{index}] = {value}" in error
+
+
+def test_plain_requests_pass_untouched(metrics: PicMetrics) -> None:
+    r = req(IDS, {"mine": 1}, "user")
+    assert gate(metrics).admit(r) is None
+    assert r.extra_key == "user" and r.sampling_params.custom_params == {"mine": 1}
+    assert not hasattr(r, PENDING_ATTR)
+
+
+def test_a_failure_inside_the_gate_means_exact_prefill(metrics: PicMetrics) -> None:
+    r = req(IDS, signed(IDS, [[0, 5]]))
+    r.sampling_params = None  # anything the gate trips over
+    assert gate(metrics).admit(r) is None
