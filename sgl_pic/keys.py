@@ -2,8 +2,10 @@
 
 Reused KV must never come from different tokens, model or settings, so every key
 hashes (SHA-256) the exact token ids together with a fingerprint of everything that
-shapes the KV: model identity, dtype, page size, tensor-parallel rank and size, and
-whether keys are stored before or after RoPE.
+shapes the KV bytes: model identity, KV and compute dtypes, quantization, RoPE settings,
+page size, the tensor-, pipeline- and attention-parallel shard, and whether keys are
+stored before or after RoPE. A disk tier shared by differently configured servers then
+never hands one server another's records.
 
 Long chunks are split into segments of at most ``segment_tokens`` tokens, each keyed
 by its parent segment's key plus its own tokens (DARIC 3.3.2), so segment i of a chunk
@@ -17,20 +19,51 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-KEY_VERSION = 1
+# 2: the fingerprint gained compute dtype, quantization, RoPE, pipeline and attention
+# parallel fields; keys of version 1 never match version 2 ones.
+KEY_VERSION = 2
 
 
 @dataclass(frozen=True)
 class ModelFingerprint:
     """Everything besides the tokens that determines a chunk's KV bytes.
 
-    model_id:    a digest of the model's config and weights identity (see
-                 ``fingerprint_model_dir``), never just a user-given name.
-    dtype:       KV dtype name, e.g. "float32", "bfloat16".
-    page_size:   KV page size of the pool the chunk lives in.
-    tp_rank:     tensor-parallel rank (each rank holds its own heads).
-    tp_size:     tensor-parallel world size.
-    pre_rope:    keys stored before RoPE (deferred RoPE) rather than after.
+    Two servers share cached KV only when every field is equal, so a field belongs here
+    as soon as changing it can change one byte of a chunk's K or V (or which layers,
+    heads or tokens a rank holds). New fields get defaults that mean "the plain
+    single-GPU setting", so fingerprints built by older callers keep their meaning.
+
+    model_id:         a digest of the model's config and weights identity (see
+                      ``fingerprint_model_dir``), never just a user-given name.
+    dtype:            the KV dtype: the element type of the KV pool the chunk lives in,
+                      e.g. "float32", "bfloat16", "float8_e4m3fn" (the name predates
+                      the other dtype fields and is kept so callers need not change).
+    page_size:        KV page size of the pool the chunk lives in.
+    tp_rank:          tensor-parallel rank (each rank holds its own heads).
+    tp_size:          tensor-parallel world size.
+    pre_rope:         keys stored before RoPE (deferred RoPE) rather than after.
+    compute_dtype:    dtype of weights and activations (SGLang's resolved ``--dtype``);
+                      "" when unknown. The same KV dtype computed at another precision
+                      holds other bytes.
+    quantization:     weight/activation quantization method ("" for none): quantized
+                      projections produce other K and V.
+    kv_cache_dtype:   the server's KV storage recipe (``--kv-cache-dtype``, "auto" when
+                      the KV dtype follows the model): two FP4/FP8 recipes can share a
+                      storage dtype and still encode differently.
+    kv_scales:        SHA-256 of the KV scaling-factor file (``--quantization-param-path``),
+                      "" for none: FP8 KV bytes depend on those scales.
+    rope:             canonical sorted-key JSON of every RoPE-affecting setting (theta,
+                      scaling type and parameters, rotary fraction, head dim, ...), see
+                      ``sgl_pic.integration.fingerprint.rope_signature``; "" when unknown.
+                      Post-RoPE keys depend on it, and so does re-rotating pre-RoPE keys.
+    config_overrides: canonical JSON of model-config overrides applied on top of the
+                      checkpoint's config (``--json-model-override-args``), "" for none;
+                      ``model_id`` hashes only the config file on disk.
+    pp_rank:          pipeline-parallel rank (each rank holds its own layers).
+    pp_size:          pipeline-parallel world size.
+    attn_layout:      canonical JSON of the attention-parallel shard (attention TP and
+                      context-parallel ranks and widths), "" for plain TP: with DP or CP
+                      attention, one TP rank holds other heads or tokens.
     """
 
     model_id: str
@@ -39,8 +72,19 @@ class ModelFingerprint:
     tp_rank: int = 0
     tp_size: int = 1
     pre_rope: bool = False
+    compute_dtype: str = ""
+    quantization: str = ""
+    kv_cache_dtype: str = "auto"
+    kv_scales: str = ""
+    rope: str = ""
+    config_overrides: str = ""
+    pp_rank: int = 0
+    pp_size: int = 1
+    attn_layout: str = ""
 
     def digest(self) -> str:
+        """SHA-256 over the key version and every field, names included (so two fields
+        can never trade values unnoticed)."""
         payload = json.dumps({"v": KEY_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
 

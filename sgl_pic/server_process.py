@@ -46,13 +46,15 @@ def server_process(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     log_prefix: str = "sgl_pic_server_",
+    module: str = "sgl_pic.launch_server",
 ) -> Iterator[ServerProcess]:
     """A server with ``args`` (SGLang and --pic-* flags) answering /health, killed with its
     process group on exit. Raises RuntimeError with the log's tail if it exits or is not
-    healthy in time. ``preexec`` runs in the child before exec (e.g. resource limits)."""
+    healthy in time. ``preexec`` runs in the child before exec (e.g. resource limits);
+    ``module`` is the launcher run (``sglang.launch_server`` for SGLang's own)."""
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
-    cmd = [sys.executable, "-m", "sgl_pic.launch_server", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", module, "--port", str(port), *args]
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(
             cmd,

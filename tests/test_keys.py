@@ -9,22 +9,75 @@ from sgl_pic.keys import ModelFingerprint, chunk_digest, segment_keys
 FP = ModelFingerprint(model_id="m" * 64, dtype="float32")
 
 
-def test_digest_depends_on_tokens_and_every_fingerprint_field() -> None:
+# One changed value per field; test_every_field_has_a_change keeps it complete.
+CHANGES: dict[str, object] = {
+    "model_id": "n" * 64,
+    "dtype": "bfloat16",
+    "page_size": 16,
+    "tp_rank": 1,
+    "tp_size": 2,
+    "pre_rope": True,
+    "compute_dtype": "bfloat16",
+    "quantization": "fp8",
+    "kv_cache_dtype": "fp8_e4m3",
+    "kv_scales": "s" * 64,
+    "rope": '{"params":{"rope_type":"yarn"}}',
+    "config_overrides": '{"num_hidden_layers":2.0}',
+    "pp_rank": 1,
+    "pp_size": 2,
+    "attn_layout": '{"attn_cp":[0,1],"attn_dcp":[0,1],"attn_tp":[0,1]}',
+}
+
+
+def test_every_field_has_a_change() -> None:
+    assert set(CHANGES) == {f.name for f in dataclasses.fields(ModelFingerprint)}
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_each_fingerprint_field_changes_the_digest(field: str) -> None:
+    other = dataclasses.replace(FP, **{field: CHANGES[field]})
+    assert getattr(other, field) != getattr(FP, field)
+    assert other.digest() != FP.digest()
+    assert chunk_digest([1, 2, 3], other) != chunk_digest([1, 2, 3], FP)
+    assert segment_keys([1, 2, 3], other)[0].digest != segment_keys([1, 2, 3], FP)[0].digest
+
+
+def test_equal_fields_give_equal_digests() -> None:
+    a = ModelFingerprint(**CHANGES)  # type: ignore[arg-type]
+    b = ModelFingerprint(**dict(CHANGES))  # type: ignore[arg-type]
+    assert a is not b and a == b and a.digest() == b.digest()
+    assert ModelFingerprint(model_id="m" * 64, dtype="float32").digest() == FP.digest()
+
+
+def test_defaults_are_the_plain_single_gpu_setting() -> None:
+    # Callers that predate the new fields build the same fingerprint as before.
+    explicit = ModelFingerprint(
+        model_id="m" * 64,
+        dtype="float32",
+        page_size=1,
+        tp_rank=0,
+        tp_size=1,
+        pre_rope=False,
+        compute_dtype="",
+        quantization="",
+        kv_cache_dtype="auto",
+        kv_scales="",
+        rope="",
+        config_overrides="",
+        pp_rank=0,
+        pp_size=1,
+        attn_layout="",
+    )
+    assert explicit == FP
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FP.quantization = "fp8"  # type: ignore[misc]
+
+
+def test_digest_depends_on_tokens() -> None:
     base = chunk_digest([1, 2, 3], FP)
     assert chunk_digest([1, 2, 3], FP) == base
     assert chunk_digest([1, 2, 4], FP) != base
     assert chunk_digest([1, 2], FP) != base
-    changes = {
-        "model_id": "n" * 64,
-        "dtype": "bfloat16",
-        "page_size": 16,
-        "tp_rank": 1,
-        "tp_size": 2,
-        "pre_rope": True,
-    }
-    for field, value in changes.items():
-        other = dataclasses.replace(FP, **{field: value})
-        assert chunk_digest([1, 2, 3], other) != base, field
 
 
 def test_token_encoding_has_no_collisions_across_boundaries() -> None:

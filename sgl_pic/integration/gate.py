@@ -109,6 +109,10 @@ class AdmissionGate:
         if claims_namespace or self.signer is None or not self.signer.verify(ids, custom):
             self._ignore(req, "reuse_off" if self.signer is None else "bad_signature")
             return None
+        if getattr(req, "lora_id", None):
+            # Chunk keys name the base model's weights, not an adapter's.
+            self._ignore(req, "lora")
+            return None
         try:
             pic = decode(custom, self.config)
         except LimitError:

@@ -64,12 +64,12 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.integration import radix_cache
     from sgl_pic.integration.chunk_nodes import ChunkNodeTable
     from sgl_pic.integration.executor import ChunkExecutor
+    from sgl_pic.integration.fingerprint import server_fingerprint
     from sgl_pic.integration.gate import AdmissionGate
     from sgl_pic.integration.kv_access import KVAccess
     from sgl_pic.integration.metrics import PicMetrics
     from sgl_pic.integration.settings import PicServerSettings
     from sgl_pic.integration.spans import MarkSigner
-    from sgl_pic.keys import ModelFingerprint, fingerprint_model_dir
     from sgl_pic.rope import default_inv_freq
 
     settings = PicServerSettings.from_env()
@@ -77,13 +77,7 @@ def build_tree_cache(ctx: Any) -> Any:
     pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     num_layers = int(hf.num_hidden_layers)
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
-    fingerprint = ModelFingerprint(
-        model_id=fingerprint_model_dir(ctx.server_args.model_path),
-        dtype=str(pool.dtype).removeprefix("torch."),
-        page_size=int(ctx.server_args.page_size or 1),
-        tp_rank=int(ctx.tp_rank),
-        tp_size=int(ctx.tp_size),
-    )
+    fingerprint = server_fingerprint(ctx, pool.dtype)
     inv_freq = default_inv_freq(head_dim, _rope_theta(hf))
     vocab_size = int(ctx.model_config.vocab_size)
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)

@@ -155,3 +155,13 @@ def test_a_failure_inside_the_gate_means_exact_prefill(metrics: PicMetrics) -> N
     r = req(IDS, signed(IDS, [[0, 5]]))
     r.sampling_params = None  # anything the gate trips over
     assert gate(metrics).admit(r) is None
+
+
+def test_marks_of_a_lora_request_are_not_honoured(metrics: PicMetrics) -> None:
+    # Chunk keys name the base model's weights; an adapter's KV differs.
+    before = ignored(metrics, "lora")
+    r = req(IDS, signed(IDS, [[0, 5]]))
+    r.lora_id = "adapter"
+    assert gate(metrics).admit(r) is None
+    assert_plain(r)
+    assert ignored(metrics, "lora") == before + 1
