@@ -12,10 +12,15 @@ Modes: "threaded" (a worker thread; the CPU default) and "inorder" (fetched on d
 reference order). On a GPU the same worker would issue its copies on a side CUDA stream
 and hand over with CUDA events; that variant is in ``sgl_pic.store.pipeline`` and has not
 run here (no GPU was available), so the engine uses the threaded schedule everywhere.
+
+Waits are bounded: a layer not loaded within ``timeout_s`` raises ``FeedTimeout`` and stops
+the worker. Only the forward's thread writes the pool (in ``before_layer``), so a stuck or
+late worker never touches the request's slots; the batch's exact rerun overwrites them.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -24,7 +29,13 @@ import torch
 from sgl_pic.integration.kv_access import KVAccess
 from sgl_pic.store.loader import ChunkPlacement, LoadedLayer, SparseLoader
 
+logger = logging.getLogger(__name__)
+
 FEED_MODES: tuple[str, ...] = ("threaded", "inorder")
+# Longest wait in ``close`` for the worker to end. It stops at its next step; one stuck in
+# a read ends by itself when the read returns (and writes nothing), so the forward's
+# thread does not wait out a stuck read a second time.
+CLOSE_WAIT_S = 2.0
 
 
 class MissingChunkError(RuntimeError):
@@ -32,10 +43,18 @@ class MissingChunkError(RuntimeError):
     use it (the store has counted and dropped it)."""
 
 
+class FeedTimeout(RuntimeError):
+    """A layer's reused KV was not loaded within the feed's ``timeout_s`` (a stuck read).
+    The worker has been told to stop; the pool holds the layers written before it (and
+    nothing else the feed wrote), which an exact rerun of the batch overwrites."""
+
+
 class LayerFeed:
     """Loads the reused KV of one request's lower-tier chunks into its pool slots.
 
-    slots: # [prompt_len] int64 the request's pool slots, indexed by global position.
+    slots:     # [prompt_len] int64 the request's pool slots, indexed by global position.
+    timeout_s: longest wait of ``before_layer`` for one layer in "threaded" mode (then
+               ``FeedTimeout``). "inorder" loads on the caller's thread, unbounded.
     """
 
     def __init__(
@@ -53,6 +72,8 @@ class LayerFeed:
             raise ValueError(f"unknown feed mode {mode!r}; valid: {', '.join(FEED_MODES)}")
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.loader = loader
         self.placements = list(placements)
         self.slots = slots
@@ -86,7 +107,10 @@ class LayerFeed:
                         return
                 if self._stop.is_set():
                     return
-                self._loaded[layer] = self._load(layer)
+                loaded = self._load(layer)
+                if self._stop.is_set():
+                    return  # timed out or closed meanwhile: nobody will consume it
+                self._loaded[layer] = loaded
                 self._ready[layer].set()
         except BaseException as e:  # noqa: BLE001 - handed to the forward thread
             self._error = e
@@ -109,7 +133,9 @@ class LayerFeed:
             loaded = self._load(layer)
         else:
             if not self._ready[layer].wait(self.timeout_s):
-                raise TimeoutError(f"layer {layer}'s reused KV not loaded in {self.timeout_s}s")
+                # Stop the worker now, even if the caller never closes the feed.
+                self._stop.set()
+                raise FeedTimeout(f"layer {layer}'s reused KV not loaded in {self.timeout_s:g} s")
             if self._error is not None:
                 raise self._error
             loaded = self._loaded.pop(layer)
@@ -125,9 +151,23 @@ class LayerFeed:
     def done(self) -> bool:
         return self._next == self.num_layers
 
+    @property
+    def worker_alive(self) -> bool:
+        """Whether the worker thread still runs (after ``close``: stuck in a read that has
+        not returned yet; it ends when it does, writing nothing)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
-        """Stops the worker (after an error or a completed forward) and waits for it."""
+        """Stops the worker (after an error, a timeout or a completed forward) and waits
+        for it at most ``CLOSE_WAIT_S``. The pool is not touched after this returns."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.timeout_s)
-            self._thread = None
+            self._thread.join(timeout=min(self.timeout_s, CLOSE_WAIT_S))
+            if self._thread.is_alive():
+                logger.warning(
+                    "sgl_pic: a layer feed's worker is still in a read; it ends when the "
+                    "read returns"
+                )
+            else:
+                self._thread = None
+        self._loaded.clear()

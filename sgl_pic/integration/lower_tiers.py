@@ -9,8 +9,9 @@ sparsely, layer by layer, only the tokens not recomputed (``LayerFeed``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -18,7 +19,13 @@ from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
 from sgl_pic.rope import RopeLayout, rotate_layers
 from sgl_pic.store.base import ChunkKV
 from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
-from sgl_pic.store.tiered import Tier, TieredStore
+from sgl_pic.store.tiered import ShutdownReport, Tier, TieredStore
+
+
+class QueueDropMetrics(Protocol):
+    """The part of ``PicMetrics`` that ``export_stats`` writes."""
+
+    queue_drops: Any  # prometheus Counter, label "queue"
 
 
 class LowerHit(NamedTuple):
@@ -59,6 +66,29 @@ class LowerTiers:
         self.inv_freq = inv_freq
         self.layout: RopeLayout = layout
         self.loader = SparseLoader(store, inv_freq, LoaderConfig(layout, device))
+        self._drops_seen: dict[str, int] = {}
+        self._export_lock = threading.Lock()
+
+    def export_stats(self, metrics: QueueDropMetrics) -> dict[str, int]:
+        """Adds to ``metrics.queue_drops{queue}`` the jobs each background queue refused
+        since the last call (full, or shut down); returns those gains. The label is the
+        store's queue name ("writeback", "tier_promotion"). Safe from any thread; call it
+        after each batch, like ``record_store_errors``."""
+        gained: dict[str, int] = {}
+        with self._export_lock:
+            for name, stats in self.store.queue_stats().items():
+                delta = stats.dropped - self._drops_seen.get(name, 0)
+                self._drops_seen[name] = stats.dropped
+                if delta > 0:
+                    metrics.queue_drops.labels(queue=name).inc(delta)
+                    gained[name] = delta
+        return gained
+
+    def shutdown(self, timeout_s: float, stop: threading.Event | None = None) -> ShutdownReport:
+        """``TieredStore.shutdown``: queued disk writes finish within ``timeout_s`` or are
+        dropped cleanly, and the store's threads are joined. Lookups keep working
+        afterwards; nothing more reaches the disk. See ``lifecycle`` for when it runs."""
+        return self.store.shutdown(timeout_s, stop)
 
     def keys(self, token_ids: Sequence[int]) -> tuple[SegmentKey, ...]:
         return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens)

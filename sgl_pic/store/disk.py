@@ -4,11 +4,18 @@ LFU eviction, and an index rebuilt from the files at start-up.
 Paths come only from key digests (``<root>/<2 hex>/<64 hex>.sglkv``). A bad file is
 never served: it is counted, dropped from the index (and deleted when it is ours and
 broken) and reported as a miss. A failed write leaves no file and no index entry.
+
+Writes are atomic (``format.write_record``: temp file, fsync, rename, directory fsync),
+which is the guarantee when the process is killed mid-write (SGLang SIGKILLs a scheduler
+that outlives its shutdown grace, and its children die with it): only the temp file can
+be left, and start-up removes it, counted as the error kind "leftover_tmp".
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,9 +41,13 @@ from sgl_pic.store.format import (
     TMP_PREFIX,
     RecordFile,
     RecordHeader,
+    TmpOwner,
+    WriteCancelled,
     encode_record,
     file_name,
+    is_local_owner,
     read_header,
+    tmp_owner,
     write_record,
 )
 
@@ -64,7 +75,9 @@ class DiskStoreConfig:
     block_tokens:       tokens per payload checksum block: smaller blocks make sparse
                         reads verify (and touch) fewer bytes, at 32 header bytes each.
     stale_tmp_seconds:  temp files older than this at start-up are leftovers of a crash
-                        and are removed; younger ones may be another process's write.
+                        and are removed; younger ones are removed when their name says
+                        they were written on this host by a process that no longer
+                        runs, else kept (another process's write in progress).
     """
 
     root: str
@@ -88,7 +101,11 @@ class DiskStoreConfig:
 @register_store
 class DiskStore(BoundedStore):
     """Chunk files on a local disk. ``get`` and ``get_layers`` return fresh copies read
-    through mmap and verified against the file's checksums."""
+    through mmap and verified against the file's checksums.
+
+    Error kinds in ``stats().errors`` besides the bad-file ones: "write_error", "enospc",
+    "unlink_error", "unreadable", "vanished", and "leftover_tmp" (a temp file of a killed
+    writer, removed at start-up)."""
 
     name: ClassVar[str] = "disk"
 
@@ -100,6 +117,8 @@ class DiskStore(BoundedStore):
         # Keys being written -> their file size, reserved against the capacity until the
         # write ends (their sum is the reservation).
         self._pending: dict[str, int] = {}
+        # Set by abort_writes (shutdown): writes in flight stop, later ones are refused.
+        self._abort = threading.Event()
         self._rebuild_index()
 
     def path_of(self, key: str) -> Path:
@@ -139,9 +158,11 @@ class DiskStore(BoundedStore):
 
     def _remove_stale_tmp(self, path: Path, now: float) -> None:
         try:
-            if now - path.stat().st_mtime > self.config.stale_tmp_seconds:
+            owner = tmp_owner(path.name)
+            old = now - path.stat().st_mtime > self.config.stale_tmp_seconds
+            if old or (owner is not None and _writer_is_gone(owner)):
                 path.unlink()
-                self._counts["stale_tmp_removed"] += 1
+                self._errors["leftover_tmp"] += 1
         except OSError:
             pass
 
@@ -232,8 +253,25 @@ class DiskStore(BoundedStore):
             self._counts["bytes_read"] += moved
         return LayerKV(key, layers, idx, k, v, moved)
 
+    def abort_writes(self) -> None:
+        """Stop writing, for shutdown: a ``put`` writing now stops before its rename,
+        removes its temp file and raises ``WriteCancelled``; later puts return False
+        (counted as "refused_after_abort"). Reads keep working. Irreversible."""
+        self._abort.set()
+
+    @property
+    def writes_aborted(self) -> bool:
+        return self._abort.is_set()
+
     def put(self, record: ChunkKV) -> bool:
+        """Write ``record``'s file (atomically) unless held or it does not fit; True when
+        the file is there afterwards. After ``abort_writes``: False without writing, or
+        ``WriteCancelled`` from a write that the abort stopped (no file left)."""
         if not self._accepts_model(record):
+            return False
+        if self._abort.is_set():
+            with self._lock:
+                self._counts["refused_after_abort"] += 1
             return False
         with self._lock:
             if record.key in self._entries or record.key in self._pending:
@@ -252,10 +290,15 @@ class DiskStore(BoundedStore):
         err: OSError | None = None
         try:
             path.parent.mkdir(exist_ok=True)
-            write_record(path, enc)
+            write_record(path, enc, cancel=self._abort)
         except OSError as exc:
             # write_record removed its temp file; the record simply is not persisted.
             err = exc
+        except WriteCancelled:
+            with self._lock:
+                del self._pending[record.key]
+                self._counts["cancelled_writes"] += 1
+            raise
         with self._lock:
             del self._pending[record.key]
             if err is None:
@@ -281,3 +324,17 @@ class DiskStore(BoundedStore):
             evicted = self._evict_locked(nbytes)
         self._delete_files(evicted)
         return EvictResult(tuple(k for k, _ in evicted), sum(n for _, n in evicted))
+
+
+def _writer_is_gone(owner: TmpOwner) -> bool:
+    """Whether the process that named a temp file has ended (checked on this host only;
+    another host's or a live process's file is left to the age rule)."""
+    if not is_local_owner(owner) or owner.pid == os.getpid():
+        return False
+    try:
+        os.kill(owner.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # e.g. EPERM: the process exists under another user
+    return False

@@ -9,6 +9,7 @@ with a record copied to the host, and may report residency through ``DeviceTier`
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,7 +27,14 @@ from sgl_pic.store.base import (
     register_store,
 )
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
-from sgl_pic.store.host import HostStore, HostStoreConfig, WriteBack, WriteBackConfig
+from sgl_pic.store.format import WriteCancelled
+from sgl_pic.store.host import (
+    HostStore,
+    HostStoreConfig,
+    WriteBack,
+    WriteBackConfig,
+    WriteBackStats,
+)
 
 Tier = Literal["device", "host", "disk"]
 
@@ -35,6 +43,25 @@ class RankingPeek(NamedTuple):
     """ranking: # [num_tokens] the record's CacheTune ranking, or None if it has none."""
 
     ranking: torch.Tensor | None
+
+
+class ShutdownReport(NamedTuple):
+    """What ``TieredStore.shutdown`` did with the disk writes queued when it began.
+
+    completed:  written (or found unnecessary) before the deadline.
+    failed:     ran and failed (I/O error, e.g. ENOSPC; counted in the disk's errors).
+    dropped:    never run, or stopped before their rename: no file, no temp file.
+    promotions_dropped: queued promotions (disk -> host reads) skipped.
+    joined:     the writer and promoter threads have ended.
+    seconds:    time the shutdown took.
+    """
+
+    completed: int
+    failed: int
+    dropped: int
+    promotions_dropped: int
+    joined: bool
+    seconds: float
 
 
 class DeviceTier(Protocol):
@@ -168,7 +195,13 @@ class TieredStore(ChunkStore):
     def put(self, record: ChunkKV) -> bool:
         """Held in host memory (write-back to disk follows), or, when host memory cannot
         take it, written to disk directly."""
-        return self.host.put(record) or self.disk.put(record)
+        if self.host.put(record):
+            return True
+        try:
+            return self.disk.put(record)
+        except WriteCancelled:
+            # ``shutdown`` stopped this direct write mid-way; it left no file.
+            return False
 
     def evict(self, nbytes: int) -> EvictResult:
         """Evicts from host memory only (evicted records demote to disk per
@@ -214,5 +247,47 @@ class TieredStore(ChunkStore):
         self.host.flush()
 
     def close(self) -> None:
+        """Run every queued promotion and write-back, then stop both threads."""
         self._promoter.close()
         self.host.close()
+
+    def queue_stats(self) -> dict[str, WriteBackStats]:
+        """Cumulative counts of the background queues: "writeback" (host -> disk, absent
+        without one) and "tier_promotion" (disk -> host)."""
+        out = {"tier_promotion": self._promoter.stats()}
+        wb = self.host.write_back_stats()
+        if wb is not None:
+            out["writeback"] = wb
+        return out
+
+    def shutdown(
+        self, timeout_s: float, stop: threading.Event | None = None, join_s: float = 2.0
+    ) -> ShutdownReport:
+        """Bounded stop for process exit. Queued promotions are skipped (a dying process
+        gains nothing from them; one already running may finish). Queued write-backs run
+        until ``timeout_s`` from now, or until ``stop`` is set; the rest are dropped,
+        and a write still running then is stopped before its rename. Afterwards the disk
+        takes no more writes (``DiskStore.abort_writes``), so every file on disk is
+        complete and checksum-valid and no temp file of ours remains, unless a write was
+        stuck inside one system call past ``join_s`` (reported as not joined; start-up
+        removes such a temp file). Reads keep working. Idempotent."""
+        t0 = time.monotonic()
+        deadline = t0 + max(0.0, timeout_s)
+        promo = self._promoter.shutdown(0.0, stop=stop, join_s=min(join_s, timeout_s))
+        remaining = max(0.0, deadline - time.monotonic())
+        writes = self.host.shutdown(remaining, self.disk.abort_writes, stop, join_s)
+        self.disk.abort_writes()
+        if writes is None:
+            completed = failed = dropped = 0
+            joined = True
+        else:
+            completed, failed, dropped = writes.completed, writes.failed, writes.cancelled
+            joined = writes.joined
+        return ShutdownReport(
+            completed=completed,
+            failed=failed,
+            dropped=dropped,
+            promotions_dropped=promo.cancelled,
+            joined=joined and promo.joined,
+            seconds=time.monotonic() - t0,
+        )

@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from sgl_pic.integration.kv_access import KVAccess
-from sgl_pic.integration.layer_feed import FEED_MODES, LayerFeed, MissingChunkError
+from sgl_pic.integration.layer_feed import (
+    CLOSE_WAIT_S,
+    FEED_MODES,
+    FeedTimeout,
+    LayerFeed,
+    MissingChunkError,
+)
 from sgl_pic.integration.lower_tiers import LowerTiers
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import apply_rope, default_inv_freq
@@ -288,3 +294,64 @@ def test_bad_arguments_are_refused(setup) -> None:
         setup.feed("cuda-stream", pool)
     with pytest.raises(ValueError, match="depth"):
         setup.feed("threaded", pool, depth=0)
+    kv = KVAccess(pool, LAYERS, INV_FREQ)
+    with pytest.raises(ValueError, match="timeout_s"):
+        LayerFeed(setup.lower.loader, setup.placements, setup.slots, kv, LAYERS, timeout_s=0)
+
+
+class BlockingLoader(SparseLoader):
+    """Fetches normally, except layer ``stuck_at``, whose read hangs until ``release``."""
+
+    def __init__(self, store: TieredStore, stuck_at: int) -> None:
+        super().__init__(store, INV_FREQ, LoaderConfig())
+        self.stuck_at = stuck_at
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def fetch_layer(self, chunks, layer: int) -> FetchedLayer:  # noqa: ANN001
+        if layer == self.stuck_at:
+            self.entered.set()
+            self.release.wait(60)
+        return super().fetch_layer(chunks, layer)
+
+
+def stuck_feed(s: Setup, pool: FakePool, timeout_s: float) -> tuple[LayerFeed, BlockingLoader]:
+    loader = BlockingLoader(s.store, stuck_at=1)
+    kv = KVAccess(pool, LAYERS, INV_FREQ)
+    return LayerFeed(loader, s.placements, s.slots, kv, LAYERS, timeout_s=timeout_s), loader
+
+
+@pytest.mark.parametrize("close_first", [True, False])
+def test_a_stuck_read_raises_feed_timeout_and_the_worker_ends(setup, close_first) -> None:
+    """Layer 1's read hangs: the forward gets FeedTimeout after about timeout_s, ``close``
+    does not wait the read out, and when the read finally returns the worker ends without
+    writing anything (the request's slots keep layer 0 only, for the rerun to overwrite).
+    The timeout alone stops the worker, even if ``close`` is never called."""
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed, loader = stuck_feed(setup, pool, timeout_s=0.5)
+    before = feed_threads()
+    feed.start()
+    workers = feed_threads() - before
+    assert len(workers) == 1
+    feed.before_layer(0)
+    t0 = time.monotonic()
+    with pytest.raises(FeedTimeout, match="layer 1") as err:
+        feed.before_layer(1)
+    assert 0.45 < time.monotonic() - t0 < 3.0
+    assert isinstance(err.value, RuntimeError) and not feed.done
+    assert loader.entered.is_set() and feed.worker_alive  # still inside the read
+    if close_first:
+        t1 = time.monotonic()
+        feed.close()
+        assert time.monotonic() - t1 < CLOSE_WAIT_S + 1.0
+        assert feed.worker_alive
+    after_timeout = pool.snapshot()
+    want_k, want_v = setup.expected_pool(1)
+    torch.testing.assert_close(after_timeout[0], want_k, atol=1e-5, rtol=0)
+    assert torch.equal(after_timeout[1], want_v)
+    loader.release.set()  # the read returns at last
+    assert wait_for(lambda: not any(w.is_alive() for w in workers))
+    assert not feed.worker_alive
+    later = pool.snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(later, after_timeout, strict=True))
+    feed.close()

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter
 
 from sgl_pic.integration.lower_tiers import LowerTiers
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
+from sgl_pic.store import disk as disk_mod
 from sgl_pic.store.disk import DiskStoreConfig
-from sgl_pic.store.host import HostStoreConfig
+from sgl_pic.store.host import HostStoreConfig, WriteBackStats
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.integration.fakes import ChunkData, chunk_data
 
@@ -188,3 +191,63 @@ def test_placements_split_the_recomputed_set_by_segment(stores, tmp_path) -> Non
         c.tokens[4:8],
         c.tokens[8:10],
     ]
+
+
+class FakeMetrics:
+    """The lifecycle series of ``PicMetrics``, same names and labels, in a private
+    registry (the real class registers globally, once per process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.queue_drops = Counter(
+            "sgl_pic_queue_drops", "drops", ["queue"], registry=self.registry
+        )
+        self.shutdown_writes = Counter(
+            "sgl_pic_shutdown_writes", "shutdown", ["outcome"], registry=self.registry
+        )
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(f"{name}_total", labels) or 0.0
+
+
+def test_queue_drops_reach_the_metrics_as_deltas(stores, tmp_path, monkeypatch) -> None:
+    release = threading.Event()
+    real = disk_mod.write_record
+
+    def hung_write(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(disk_mod, "write_record", hung_write)
+    cfg = TieredStoreConfig(
+        host=HostStoreConfig(capacity_bytes=1 << 22, pin_memory=False, write_back_queue=1),
+        disk=DiskStoreConfig(root=str(tmp_path), capacity_bytes=1 << 22),
+    )
+    store = TieredStore(cfg, FP.digest())
+    stores.append(store)
+    lt = LowerTiers(store, FP, SEG, INV_FREQ)
+    metrics = FakeMetrics()
+    try:
+        c = chunk(n=40)  # 10 segments: one write hangs, one waits, the rest are refused
+        assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 10  # all in host memory
+        dropped = store.queue_stats()["writeback"].dropped
+        assert dropped in (8, 9)
+        assert lt.export_stats(metrics) == {"writeback": dropped}
+        assert metrics.value("sgl_pic_queue_drops", queue="writeback") == dropped
+        assert lt.export_stats(metrics) == {}  # nothing new: nothing added
+        c2 = chunk(seed=1, n=8)
+        lt.put_chunk(c2.tokens, c2.pre_k, c2.v, c2.ranking)
+        assert lt.export_stats(metrics) == {"writeback": 2}
+        assert metrics.value("sgl_pic_queue_drops", queue="writeback") == dropped + 2
+        # Promotion drops go under their own label.
+        real_stats = store.queue_stats
+
+        def with_promotions() -> dict[str, WriteBackStats]:
+            return {**real_stats(), "tier_promotion": WriteBackStats(5, 2, 0, 3)}
+
+        monkeypatch.setattr(store, "queue_stats", with_promotions)
+        assert lt.export_stats(metrics) == {"tier_promotion": 3}
+        assert metrics.value("sgl_pic_queue_drops", queue="tier_promotion") == 3
+        assert metrics.value("sgl_pic_queue_drops", queue="writeback") == dropped + 2
+    finally:
+        release.set()

@@ -1,6 +1,9 @@
 import errno
 import os
 import struct
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -8,7 +11,13 @@ import torch
 
 from sgl_pic.store import format as fmt
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
-from sgl_pic.store.format import FORMAT_VERSION, TMP_PREFIX, read_header
+from sgl_pic.store.format import (
+    FORMAT_VERSION,
+    TMP_PREFIX,
+    WriteCancelled,
+    read_header,
+    tmp_name,
+)
 from tests.store.helpers import MODEL, OTHER_MODEL, make_record, same_record
 
 FILE_BYTES = 3 * 4096  # a default test record's file: 4096 header page + 7680 payload
@@ -229,6 +238,73 @@ def test_startup_removes_stale_temp_files_only(tmp_path, record):
     reopened = disk(tmp_path)
     assert not stale.exists() and young.exists()
     assert reopened.contains(record.key)
+    assert reopened.stats().errors["leftover_tmp"] == 1
+
+
+def dead_pid() -> int:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(proc.stdout)
+
+
+def test_startup_removes_a_young_temp_file_of_a_dead_writer(tmp_path, record):
+    store = disk(tmp_path)
+    store.put(record)
+    path = store.path_of(record.key)
+    mine = path.parent / tmp_name(path)  # this (live) process: maybe a write in progress
+    _, host, pid, _ = mine.name.rsplit(".", 3)
+    killed = path.parent / mine.name.replace(f".{pid}.", f".{dead_pid()}.")
+    live = path.parent / mine.name.replace(f".{pid}.", f".{os.getppid()}.")
+    remote = path.parent / mine.name.replace(f".{host}.", ".another-host.").replace(
+        f".{pid}.", f".{dead_pid()}."
+    )
+    for p in (mine, killed, live, remote):
+        p.write_bytes(b"partial")
+    reopened = disk(tmp_path)
+    assert not killed.exists()
+    assert mine.exists() and live.exists() and remote.exists()
+    assert reopened.stats().errors["leftover_tmp"] == 1
+    assert reopened.contains(record.key)
+
+
+def test_abort_writes_stops_a_write_in_flight_and_refuses_later_ones(tmp_path, monkeypatch):
+    kept, cut, later = (make_record(seed=i) for i in range(3))
+    store = disk(tmp_path)
+    assert store.put(kept)
+    writing, aborted = threading.Event(), threading.Event()
+    real_write = fmt.os.write
+
+    def slow_write(fd, data):
+        writing.set()
+        aborted.wait(5)  # the abort lands while part of the file is written
+        return real_write(fd, data)
+
+    monkeypatch.setattr(fmt.os, "write", slow_write)
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            store.put(cut)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=put)
+    t.start()
+    assert writing.wait(5)
+    store.abort_writes()
+    aborted.set()
+    t.join(5)
+    monkeypatch.undo()
+    assert len(errors) == 1 and isinstance(errors[0], WriteCancelled)
+    assert store.writes_aborted
+    assert not store.put(later)
+    assert files(tmp_path) == [f"{kept.key[:2]}/{kept.key}.sglkv"]  # no temp file
+    assert not store.contains(cut.key) and store.stats().entries == 1
+    assert same_record(store.get(kept.key), kept)  # reads keep working
 
 
 def test_a_file_under_the_wrong_name_is_not_served(tmp_path):

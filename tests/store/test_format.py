@@ -1,6 +1,7 @@
 import errno
 import os
 import struct
+import threading
 
 import pytest
 import torch
@@ -19,9 +20,13 @@ from sgl_pic.store.format import (
     ALIGN,
     FORMAT_VERSION,
     MAGIC,
+    TMP_PREFIX,
     RecordFile,
+    WriteCancelled,
     read_header,
     read_record,
+    tmp_name,
+    tmp_owner,
     write_record,
 )
 from tests.store.helpers import MODEL, OTHER_MODEL, make_record, same_record
@@ -157,3 +162,46 @@ def test_failed_write_leaves_nothing(tmp_path, record, monkeypatch, fail_on):
     with pytest.raises(OSError):
         write_record(tmp_path / "r.sglkv", record)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cancel_at", ["start", "write", "rename"])
+def test_a_cancelled_write_leaves_nothing(tmp_path, record, monkeypatch, cancel_at):
+    """Cancelled before any byte, after part of the file, or after the fsync (just before
+    the rename): WriteCancelled, and neither the file nor its temp file is left."""
+    cancel = threading.Event()
+    real_write, real_fsync = os.write, os.fsync
+
+    def write(fd, data):
+        if cancel_at == "write":
+            cancel.set()
+        return real_write(fd, data)
+
+    def fsync(fd):
+        real_fsync(fd)
+        if cancel_at == "rename":
+            cancel.set()
+
+    if cancel_at == "start":
+        cancel.set()
+    monkeypatch.setattr(fmt.os, "write", write)
+    monkeypatch.setattr(fmt.os, "fsync", fsync)
+    with pytest.raises(WriteCancelled):
+        write_record(tmp_path / "r.sglkv", record, cancel=cancel)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_ignores_a_cancel_set_after_the_rename(tmp_path, record):
+    cancel = threading.Event()
+    size = write_record(tmp_path / "r.sglkv", record, cancel=cancel)
+    cancel.set()
+    assert size == (tmp_path / "r.sglkv").stat().st_size
+    assert same_record(read_record(tmp_path / "r.sglkv", MODEL), record)
+
+
+def test_temp_names_record_their_writer(tmp_path):
+    name = tmp_name(tmp_path / ("a" * 64 + ".sglkv"))
+    owner = tmp_owner(name)
+    assert name.startswith(TMP_PREFIX) and owner is not None
+    assert owner.pid == os.getpid() and "." not in owner.host
+    assert tmp_owner(f"{TMP_PREFIX}{'a' * 64}.sglkv.{'f' * 32}") is None  # older writer
+    assert tmp_owner("a" * 64 + ".sglkv") is None

@@ -1,8 +1,10 @@
 import threading
+import time
 
 import pytest
 import torch
 
+from sgl_pic.store.format import WriteCancelled
 from sgl_pic.store.host import HostStore, HostStoreConfig, WriteBack, WriteBackConfig
 from tests.store.helpers import MODEL, OTHER_MODEL, make_record, same_record
 
@@ -180,6 +182,113 @@ def test_write_back_queue_is_bounded_and_survives_failures():
     assert stats.failed == 1 and "after" in ran and ran[0] == "slow"
     wb.close()
     assert not wb.submit(lambda: None)
+    assert wb.stats().dropped == 2  # refused after close: counted too
+    assert not wb.thread_alive
+
+
+def sleeper(ran: list[int], i: int, seconds: float):  # noqa: ANN201
+    def job() -> None:
+        time.sleep(seconds)
+        ran.append(i)
+
+    return job
+
+
+def test_shutdown_runs_queued_jobs_until_the_deadline_and_drops_the_rest():
+    ran: list[int] = []
+    wb = WriteBack(WriteBackConfig(max_pending=16))
+    for i in range(10):
+        assert wb.submit(sleeper(ran, i, 0.1))
+    t0 = time.monotonic()
+    res = wb.shutdown(0.35)
+    took = time.monotonic() - t0
+    assert 0.3 < took < 1.5
+    assert res.joined and not wb.thread_alive
+    assert res.completed == len(ran) and 2 <= len(ran) <= 5
+    assert ran == list(range(len(ran)))  # in order, the rest never started
+    assert res.completed + res.cancelled == 10 and res.failed == 0
+    stats = wb.stats()
+    assert stats.cancelled == res.cancelled and stats.completed == res.completed
+    assert not wb.submit(lambda: None) and wb.stats().dropped == 1
+    again = wb.shutdown(5.0)  # idempotent
+    assert (again.completed, again.cancelled, again.joined) == (0, 0, True)
+    wb.close()
+
+
+def test_shutdown_without_pending_jobs_returns_at_once():
+    wb = WriteBack(WriteBackConfig())
+    t0 = time.monotonic()
+    res = wb.shutdown(10.0)
+    assert time.monotonic() - t0 < 1.0
+    assert res == res._replace(completed=0, failed=0, cancelled=0, joined=True)
+
+
+def test_on_deadline_stops_the_running_job_which_counts_as_cancelled():
+    stop = threading.Event()
+    started = threading.Event()
+
+    def write() -> None:
+        started.set()
+        if stop.wait(10):
+            raise WriteCancelled("stopped")
+
+    wb = WriteBack(WriteBackConfig())
+    wb.submit(write)
+    wb.submit(lambda: None)
+    assert started.wait(5)
+    res = wb.shutdown(0.1, on_deadline=stop.set)
+    assert res.joined and res.cancelled == 2 and res.completed == 0
+    assert wb.stats().cancelled == 2
+
+
+def test_a_job_stuck_past_the_join_grace_is_reported_not_waited_for():
+    release = threading.Event()
+    started = threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        release.wait(10)
+
+    wb = WriteBack(WriteBackConfig())
+    wb.submit(stuck)
+    assert started.wait(5)
+    t0 = time.monotonic()
+    res = wb.shutdown(0.1, join_s=0.2)
+    assert time.monotonic() - t0 < 2.0
+    assert not res.joined and res.cancelled == 1 and wb.thread_alive
+    release.set()  # the read returns: the thread ends by itself
+    deadline = time.monotonic() + 5
+    while wb.thread_alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not wb.thread_alive
+
+
+def test_stop_event_cuts_the_drain_short():
+    ran: list[int] = []
+    wb = WriteBack(WriteBackConfig())
+    for i in range(20):
+        wb.submit(sleeper(ran, i, 0.05))
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    t0 = time.monotonic()
+    res = wb.shutdown(30.0, stop=stop)
+    assert time.monotonic() - t0 < 2.0
+    assert res.joined and res.completed + res.cancelled == 20 and res.cancelled > 0
+
+
+def test_host_shutdown_drops_later_write_backs():
+    sunk = []
+    store = HostStore(
+        HostStoreConfig(capacity_bytes=10 * REC_BYTES), MODEL, write_back_to=sunk.append
+    )
+    a, b = make_record(seed=1), make_record(seed=2)
+    store.put(a)
+    res = store.shutdown(5.0)
+    assert res is not None and res.completed == 1 and res.joined
+    assert store.put(b) and store.contains(b.key)  # still a working memory tier
+    stats = store.write_back_stats()
+    assert stats is not None and stats.dropped == 1 and [r.key for r in sunk] == [a.key]
+    assert host().shutdown(1.0) is None  # no sink, no thread
 
 
 def test_config_validation():

@@ -1,4 +1,12 @@
+import threading
+import time
+
+import pytest
+
+from sgl_pic.store import disk as disk_mod
+from sgl_pic.store import format as fmt
 from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.format import TMP_PREFIX, read_record
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.store.helpers import MODEL, make_record, same_record
@@ -83,3 +91,129 @@ def test_lock_protects_in_host(tmp_path):
     assert store.locate(a.key) == "host" and store.locate(b.key) == "disk"
     store.unlock(a.key)
     store.close()
+
+
+def slow_disk_writes(monkeypatch, seconds: float) -> None:
+    """Each disk write takes ``seconds`` more (before its temp file is opened)."""
+    real = disk_mod.write_record
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(disk_mod, "write_record", slow)
+
+
+def writer_threads(store: TieredStore) -> list[bool]:
+    return [store.host._writer.thread_alive, store._promoter.thread_alive]
+
+
+def test_queue_stats_count_write_back_drops(tmp_path, monkeypatch):
+    slow_disk_writes(monkeypatch, 0.2)
+    cfg = TieredStoreConfig(
+        host=HostStoreConfig(capacity_bytes=20 * REC_BYTES, write_back_queue=2),
+        disk=DiskStoreConfig(root=str(tmp_path), capacity_bytes=1 << 24),
+    )
+    store = TieredStore(cfg, MODEL)
+    for i in range(8):
+        assert store.put(make_record(seed=i))  # held in host memory either way
+    stats = store.queue_stats()
+    # One write running, two queued: the other five were refused.
+    assert stats["writeback"].dropped in (5, 6) and stats["tier_promotion"].dropped == 0
+    assert stats["writeback"].submitted + stats["writeback"].dropped == 8
+    store.close()
+
+
+def test_promotion_queue_drops_are_counted(tmp_path):
+    recs = [make_record(seed=i, num_tokens=30) for i in range(6)]
+    first = tiered(tmp_path)
+    for r in recs:
+        first.put(r)
+    first.close()
+    cfg = TieredStoreConfig(
+        host=HostStoreConfig(capacity_bytes=20 * REC_BYTES),
+        disk=DiskStoreConfig(root=str(tmp_path), capacity_bytes=1 << 24),
+        promotion_queue=1,
+    )
+    store = TieredStore(cfg, MODEL)
+    entered, release = threading.Event(), threading.Event()
+    real_get = store.disk.get
+
+    def blocked_get(*args, **kwargs):
+        entered.set()
+        release.wait(5)
+        return real_get(*args, **kwargs)
+
+    store.disk.get = blocked_get  # the promoter's full reads wait
+    for i, r in enumerate(recs):
+        assert store.get_layers(r.key, range(0, 1), [0]) is not None
+        if i == 0:
+            assert entered.wait(5)  # the first promotion runs, off the queue
+    dropped = store.queue_stats()["tier_promotion"].dropped
+    release.set()
+    store.flush()
+    # The first promotion runs, one more waits in the queue: the other four are dropped.
+    assert dropped == 4
+    store.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 0.5, 30.0])
+def test_shutdown_leaves_only_complete_files_and_counts_every_queued_write(
+    tmp_path, monkeypatch, timeout_s
+):
+    slow_disk_writes(monkeypatch, 0.1)
+    store = tiered(tmp_path, host_records=20)
+    recs = [make_record(seed=i) for i in range(10)]
+    for r in recs:
+        assert store.put(r)
+    rep = store.shutdown(timeout_s)
+    assert rep.joined and writer_threads(store) == [False, False]
+    assert rep.completed + rep.dropped + rep.failed == 10 and rep.failed == 0
+    assert rep.seconds < timeout_s + 3.0
+    if timeout_s == 30.0:
+        assert rep.completed == 10
+    elif timeout_s == 0.0:
+        assert rep.completed <= 1  # at most the write already running
+    monkeypatch.undo()
+    # Only complete, checksum-valid files; no temp file; exactly the completed writes.
+    on_disk = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert not [p for p in on_disk if p.name.startswith(TMP_PREFIX)]
+    assert len(on_disk) == rep.completed
+    by_key = {r.key: r for r in recs}
+    for p in on_disk:
+        got = read_record(p, MODEL)
+        assert same_record(got, by_key[got.key])
+    # After shutdown: lookups work, nothing more reaches the disk.
+    late = make_record(seed=99)
+    assert store.put(late) and store.get(recs[0].key) is not None
+    assert not store.disk.contains(late.key)
+    again = store.shutdown(1.0)  # idempotent
+    assert (again.completed, again.dropped, again.joined) == (0, 0, True)
+    assert store.queue_stats()["writeback"].dropped >= 1
+    reopened = tiered(tmp_path)
+    assert reopened.disk.stats().entries == rep.completed
+    reopened.close()
+
+
+def test_shutdown_stops_a_direct_disk_write_cleanly(tmp_path, monkeypatch):
+    """A record host memory cannot take is written to disk on the caller's thread; a
+    shutdown landing mid-write makes that put return False and leave no file."""
+    store = tiered(tmp_path, host_records=0)
+    writing, go = threading.Event(), threading.Event()
+    real_write = fmt.os.write
+
+    def slow_write(fd, data):
+        writing.set()
+        go.wait(5)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(fmt.os, "write", slow_write)
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(store.put(make_record(seed=3))))
+    t.start()
+    assert writing.wait(5)
+    rep = store.shutdown(0.0)
+    go.set()
+    t.join(5)
+    assert result == [False] and rep.joined
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
