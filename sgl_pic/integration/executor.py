@@ -47,7 +47,7 @@ from sgl_pic.integration.attention import (
 from sgl_pic.integration.chunk_nodes import ChunkNode, ChunkNodeTable
 from sgl_pic.integration.gate import Pending
 from sgl_pic.integration.kv_access import KVAccess, single_thread
-from sgl_pic.integration.layer_feed import LayerFeed, MissingChunkError
+from sgl_pic.integration.layer_feed import FeedTimeout, LayerFeed, MissingChunkError
 from sgl_pic.integration.lower_tiers import LowerHit, LowerTiers
 from sgl_pic.integration.metrics import PicMetrics, RequestStats
 from sgl_pic.selection import SelectionContext, cachetune_ranking, finalize, make_policy
@@ -85,7 +85,8 @@ class ChunkExecutor:
     ratios:    calibrated CacheTune r per tier ("device", "host", "disk"), or None; a
                cachetune request without its own r uses the r of the slowest tier it
                loads from.
-    feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder")."""
+    feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder").
+    feed_timeout_s: longest wait for one layer of lower-tier KV (``FeedTimeout`` past it)."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class ChunkExecutor:
         lower: LowerTiers | None = None,
         ratios: dict[str, float] | None = None,
         feed_mode: str = "threaded",
+        feed_timeout_s: float = 30.0,
     ) -> None:
         self.config = settings_config
         self.nodes = nodes
@@ -104,6 +106,7 @@ class ChunkExecutor:
         self.metrics = metrics
         self.ratios = ratios
         self.feed_mode = feed_mode
+        self.feed_timeout_s = feed_timeout_s
         # Chunked requests of the batch being forwarded, by SGLang request id: set when the
         # batch is prepared (``plugin._after_prepare_for_extend``), emptied by ``forward``.
         self.handoff: dict[str, Pending] = {}
@@ -175,10 +178,14 @@ class ChunkExecutor:
                     raise
                 logger.warning("sgl_pic: a stored chunk went bad while loading; retrying")
                 self.metrics.retries.inc()
+            except FeedTimeout:
+                self.metrics.feed_timeouts.inc()
+                raise  # the plugin reruns the batch as exact prefill
             finally:
                 self._release(plans)
                 if self.lower is not None:
                     self.metrics.record_store_errors(self.lower.store.stats().errors)
+                    self.lower.export_stats(self.metrics)
         logger.info(
             "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
             "select+phase 2 %.3f s, recomputed %s",
@@ -479,6 +486,7 @@ class ChunkExecutor:
             self.kv,
             self.kv.num_layers,
             mode or self.feed_mode,
+            timeout_s=self.feed_timeout_s,
         )
 
     def _promote(self, plans: dict[int, _Plan]) -> None:

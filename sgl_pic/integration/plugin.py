@@ -131,6 +131,7 @@ def build_tree_cache(ctx: Any) -> Any:
         lower=lower,
         ratios=ratios,
         feed_mode=settings.feed_mode,
+        feed_timeout_s=settings.feed_timeout_s,
     )
     _req_to_token = ctx.params.req_to_token_pool.req_to_token
     signer = MarkSigner(settings.secret) if settings.secret else None

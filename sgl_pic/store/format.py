@@ -296,7 +296,13 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _parse_header(prefix: bytes, body_reader: Any, file_size: int) -> RecordHeader:
+def _parse_header(
+    prefix: bytes, body_reader: Any, file_size: int, model_digest: str | None = None
+) -> RecordHeader:
+    """The checked header. Once the header's own checksum holds, a record of another model
+    (``model_digest`` given) or one naming a dtype this build does not know is foreign or
+    newer, never corrupt: a disk tier shared by differently built or configured servers
+    must not delete each other's files."""
     if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
         if MAGIC.startswith(prefix):
             raise TruncatedRecordError(f"file of {file_size} bytes ends inside the prefix")
@@ -317,9 +323,16 @@ def _parse_header(prefix: bytes, body_reader: Any, file_size: int) -> RecordHead
         raise CorruptRecordError("header checksum mismatch")
     try:
         h = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise CorruptRecordError(f"unreadable header: {exc}") from exc
+    if not isinstance(h, dict):
+        raise CorruptRecordError("header is not a map")
+    if model_digest is not None and h.get("model") != model_digest:
+        raise ForeignModelError(f"record is for another model than {model_digest[:12]}")
+    if h.get("dtype") not in DTYPES:
+        raise UnsupportedFormatError(f"dtype {h.get('dtype')!r} unknown to this reader")
+    try:
         dtype = h["dtype"]
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}")
         num_tokens, num_layers = int(h["num_tokens"]), int(h["num_layers"])
         token_ids = tuple(int(t) for t in h["token_ids"])
         ranking = None
@@ -391,7 +404,7 @@ def read_header(
     for rebuilding an index at start-up. Raises a StoreError subclass or OSError."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        header = _parse_header(f.read(PREFIX_BYTES), f.read, size)
+        header = _parse_header(f.read(PREFIX_BYTES), f.read, size, model_digest)
     _check_expectations(header, model_digest, key, token_ids)
     return header
 
@@ -422,7 +435,9 @@ class RecordFile:
         try:
             mm = self._mm
             pos = PREFIX_BYTES
-            self.header = _parse_header(mm[:PREFIX_BYTES], lambda n: mm[pos : pos + n], size)
+            self.header = _parse_header(
+                mm[:PREFIX_BYTES], lambda n: mm[pos : pos + n], size, model_digest
+            )
             _check_expectations(self.header, model_digest, key, token_ids)
         except BaseException:
             self._mm.close()

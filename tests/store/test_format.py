@@ -141,6 +141,33 @@ def test_foreign_model_wrong_tokens_bad_magic_newer_version(tmp_path, record):
         assert issubclass(cls, StoreError)
 
 
+def _with_header(path, **changes):
+    """``path``'s record with header fields changed and the header checksum made valid
+    again: a well-formed record of another build or configuration."""
+    import hashlib
+
+    import msgpack
+
+    raw = path.read_bytes()
+    _, version, header_len, _ = struct.unpack("<8sII32s", raw[:48])
+    header = msgpack.unpackb(raw[48 : 48 + header_len], raw=False)
+    body = msgpack.packb({**header, **changes}, use_bin_type=True)
+    prefix = struct.pack("<8sII32s", MAGIC, version, len(body), hashlib.sha256(body).digest())
+    path.write_bytes(prefix + body + raw[48 + header_len :])
+
+
+def test_a_valid_record_of_another_build_is_foreign_or_newer_never_corrupt(tmp_path, record):
+    # Deleting such a file as corrupt would destroy another server's cache in a shared dir.
+    path = tmp_path / "r.sglkv"
+    write_record(path, record)
+    _with_header(path, dtype="float8_e4m3fn", model=OTHER_MODEL)
+    with pytest.raises(ForeignModelError):
+        read_header(path, MODEL)
+    _with_header(path, model=MODEL)
+    with pytest.raises(UnsupportedFormatError):
+        read_header(path, MODEL)
+
+
 @pytest.mark.parametrize("fail_on", ["write", "fsync"])
 def test_failed_write_leaves_nothing(tmp_path, record, monkeypatch, fail_on):
     calls = {"n": 0}

@@ -1,0 +1,96 @@
+"""The plugin's scheduler hooks on stand-ins (SGLang importable, no server): a failing or
+stalled chunk path falls back to SGLang's own forward; the hand-off is per batch, by
+request id, and checked against token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from sgl_pic.integration import plugin
+from sgl_pic.integration.gate import PENDING_ATTR, Pending
+from sgl_pic.integration.layer_feed import FeedTimeout
+from sgl_pic.integration.spans import PicRequest
+from sgl_pic.layout import PromptLayout
+
+pytestmark = pytest.mark.sglang
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, k: int = 1) -> None:
+        self.n += k
+
+    def labels(self, **_kw: str) -> Counter:
+        return self
+
+
+class FakeExecutor:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.handoff: dict[str, Pending] = {}
+        self.metrics = SimpleNamespace(failures=Counter(), marks_ignored=Counter())
+
+    def forward(self, *_args: Any) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return torch.ones(2, 4)
+
+
+@pytest.fixture
+def executor(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeExecutor]:
+    ex = FakeExecutor(FeedTimeout("layer 3 not loaded in 0.1 s"))
+    monkeypatch.setattr(plugin, "_executor", ex)
+    monkeypatch.setattr(plugin, "_req_to_token", torch.zeros(1, 1))
+    yield ex
+
+
+def forward_batch() -> Any:
+    return SimpleNamespace(
+        forward_mode=SimpleNamespace(is_extend=lambda: True),
+        extend_prefix_lens_cpu=[0],
+    )
+
+
+def test_a_stalled_feed_runs_the_batch_as_sglang_would(executor: FakeExecutor) -> None:
+    calls = []
+
+    def original(model: Any, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(ids)
+        return torch.zeros(2, 4)
+
+    out = plugin._model_forward_hook(
+        original, None, torch.tensor([1, 2]), torch.tensor([0, 1]), forward_batch()
+    )
+    assert torch.equal(out, torch.zeros(2, 4)) and len(calls) == 1
+    assert executor.metrics.failures.n == 1
+
+
+def req(rid: str, ids: list[int], pending: Pending | None) -> Any:
+    r = SimpleNamespace(rid=rid, origin_input_ids=ids)
+    if pending is not None:
+        setattr(r, PENDING_ATTR, pending)
+    return r
+
+
+def test_hand_off_is_per_batch_by_request_id_and_token_checked(executor: FakeExecutor) -> None:
+    layout = PromptLayout.from_spans(6, [[0, 4]])
+    good = Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))
+    changed = Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))
+    executor.handoff = {"stale": good}  # an earlier batch's, never forwarded
+    batch = SimpleNamespace(
+        reqs=[
+            req("a", [1, 2, 3, 4, 5, 6], good),
+            req("b", [1, 2, 3, 4, 5, 7], changed),
+            req("c", [9, 9], None),
+        ]
+    )
+    plugin._after_prepare_for_extend(None, batch)
+    assert executor.handoff == {"a": good}
+    assert executor.metrics.marks_ignored.n == 1
