@@ -4,11 +4,14 @@ Measures t_c (recompute, per token per layer), t_i (load, per token per layer, p
 tier) and t_o (fixed per-layer pipeline overhead), then picks r by warm-started
 golden-section search, either over the cost model or over measured pipeline runs.
 
-The measuring functions take callables, so the engine can supply its real layer forward
-and real tier reads. The CLI has no engine: its compute cost comes from a PROXY, the
-dense matmuls of one SmolLM2-135M decoder layer in torch (no attention, no norms, no
-real weights), and its loads from host-memory and disk tiers holding KV of the
-embedded model's shape (30 layers, 3 KV heads, head dim 64, float32).
+Loads are timed on the code the server runs: a chunk is written through ``LowerTiers``
+(segments, pre-RoPE fingerprint) into a ``TieredStore`` holding it in host memory only or
+on disk only, and read back by a ``LayerFeed`` over the server's placements and loader,
+which rotates the rows and writes them into a scratch pool. The compute cost is a
+callable, so the engine can supply its real layer forward; the CLI has no engine and uses
+a PROXY, the dense matmuls of one SmolLM2-135M decoder layer in torch (no attention, no
+norms, no real weights), on KV of the embedded model's shape (30 layers, 3 KV heads,
+head dim 64, float32).
 
     python -m sgl_pic.calibrate [--cache-dir DIR] [--tokens 512] [--objective model]
 """
@@ -25,15 +28,21 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from sgl_pic.config import PicConfig
+from sgl_pic.integration.kv_access import KVAccess
+from sgl_pic.integration.layer_feed import LayerFeed
+from sgl_pic.integration.lower_tiers import LowerHit, LowerTiers
+from sgl_pic.integration.model_rope import ModelRope
+from sgl_pic.keys import ModelFingerprint
 from sgl_pic.paths import cache_root
 from sgl_pic.rope import default_inv_freq
-from sgl_pic.store.base import ChunkKV, ChunkStore
 from sgl_pic.store.cost_model import (
     CostParams,
     SearchConfig,
@@ -42,10 +51,10 @@ from sgl_pic.store.cost_model import (
     choose_ratio,
     ttft,
 )
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk import DiskStoreConfig
 from sgl_pic.store.host import HostStore, HostStoreConfig
-from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
-from sgl_pic.store.pipeline import PipelineConfig, run_layer_pipeline
+from sgl_pic.store.loader import LoaderConfig, SparseLoader
+from sgl_pic.store.tiered import Tier, TieredStore, TieredStoreConfig
 
 RESULT_FILE = "calibration.json"
 
@@ -87,14 +96,48 @@ def per_token_cost(run: Callable[[int], object], small: int, large: int, repeats
 
 
 def measure_overhead(num_layers: int, repeats: int = 5) -> float:
-    """t_o: seconds per layer the threaded pipeline spends on its own handoffs (runs
-    with no-op load, prepare and compute)."""
-    cfg = PipelineConfig(mode="threaded")
+    """t_o: seconds per layer the server's threaded ``LayerFeed`` spends on its own
+    handoffs (a feed with nothing to load, consumed layer by layer)."""
+    store = HostStore(HostStoreConfig(capacity_bytes=0), hashlib.sha256(b"t_o").hexdigest())
+    loader = SparseLoader(store, default_inv_freq(2, 10000.0), LoaderConfig())
+    pool = ScratchPool(1, num_layers, 1, 2, torch.float32)
+    kv = KVAccess(pool, num_layers, ModelRope.plain(loader.inv_freq, max_positions=1))
+    empty = torch.empty(0, dtype=torch.int64)  # host: no slots, nothing is written
 
     def run() -> None:
-        run_layer_pipeline(num_layers, lambda i: None, lambda i, y: None, lambda i, x: x, cfg)
+        feed = LayerFeed(loader, [], empty, kv, num_layers, mode="threaded")
+        feed.start()
+        try:
+            for layer in range(num_layers):
+                feed.before_layer(layer)
+        finally:
+            feed.close()
 
     return time_call(run, repeats) / num_layers
+
+
+class ScratchPool:
+    """A token pool of per-layer K and V buffers # [size, num_kv_heads, head_dim], exposed
+    like SGLang's (``get_key_buffer`` / ``get_value_buffer``), for feeds to write into."""
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+    ) -> None:
+        shape = (size, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k_buffer[layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.v_buffer[layer]
 
 
 class MatmulProxy:
@@ -127,20 +170,77 @@ class MatmulProxy:
         return x + (torch.nn.functional.silu(gate) * up) @ self.w_down
 
 
-def make_record(shape: ModelShape, num_tokens: int, model_digest: str, seed: int = 0) -> ChunkKV:
-    """A random pre-RoPE record of the model's KV shape."""
-    g = torch.Generator().manual_seed(seed)
-    dims = (shape.num_layers, num_tokens, shape.num_kv_heads, shape.head_dim)
-    tokens = tuple(range(num_tokens))
-    key = hashlib.sha256(f"calibrate:{seed}:{num_tokens}".encode()).hexdigest()
-    return ChunkKV(
-        key=key,
-        model_digest=model_digest,
-        token_ids=tokens,
-        k=torch.randn(dims, generator=g),
-        v=torch.randn(dims, generator=g),
-        ranking=torch.rand(num_tokens, generator=g),
-    )
+class TierChunk:
+    """One calibration chunk held by one tier, as the server holds lower-tier chunks.
+
+    The chunk (random pre-RoPE KV of the model's shape) is written through ``LowerTiers``
+    into a ``TieredStore`` that keeps it in host memory only ("host") or on disk only
+    ("disk"); ``feed`` builds the server's ``LayerFeed`` over it. Close it when done.
+    """
+
+    def __init__(
+        self,
+        tier: Tier,
+        root: Path,
+        shape: ModelShape,
+        num_tokens: int,
+        segment_tokens: int,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        dtype = getattr(torch, shape.dtype)
+        row = shape.num_kv_heads * shape.head_dim * dtype.itemsize
+        room = 4 * 2 * shape.num_layers * num_tokens * row + (1 << 20)  # K, V and headers
+        host = HostStoreConfig(room if tier == "host" else 0, write_back="on_evict")
+        disk = DiskStoreConfig(str(root), room if tier == "disk" else 0)
+        self.fingerprint = ModelFingerprint(
+            model_id=hashlib.sha256(f"calibrate:{shape}".encode()).hexdigest(),
+            dtype=shape.dtype,
+            pre_rope=True,
+        )
+        config = TieredStoreConfig(host, disk, promote_on_get=False, promote_on_get_layers=False)
+        self.store = TieredStore(config, self.fingerprint.digest())
+        self.inv_freq = default_inv_freq(shape.head_dim, shape.rope_theta)
+        self.lower = LowerTiers(
+            self.store, self.fingerprint, segment_tokens, self.inv_freq, device=device
+        )
+        self.shape = shape
+        self.num_tokens = num_tokens
+        self.token_ids = list(range(num_tokens))
+        g = torch.Generator().manual_seed(seed)
+        dims = (shape.num_layers, num_tokens, shape.num_kv_heads, shape.head_dim)
+        k = torch.randn(dims, generator=g).to(dtype)
+        v = torch.randn(dims, generator=g).to(dtype)
+        self.lower.put_chunk(self.token_ids, k, v, torch.rand(num_tokens, generator=g))
+        self.store.flush()
+        hit = self.lower.match(self.token_ids)
+        if hit is None or hit.tier != tier:
+            where = None if hit is None else hit.tier
+            raise OSError(f"the calibration chunk landed in {where}, not in {tier} (under {root})")
+        self.hit: LowerHit = hit
+        self.pool = ScratchPool(
+            num_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, device
+        )
+        # The feed writes rows already rotated by the loader: the table is never read.
+        rope = ModelRope.plain(self.inv_freq, max_positions=1)
+        self.kv = KVAccess(self.pool, shape.num_layers, rope)
+        self.slots = torch.arange(num_tokens, device=device)
+
+    def feed(self, recompute: torch.Tensor, mode: str) -> LayerFeed:
+        """The server's feed of this chunk at offset 0, loading all but ``recompute``
+        (# [k] int64 chunk-local indices)."""
+        placements = self.lower.placements(self.hit, self.token_ids, 0, recompute)
+        return LayerFeed(
+            self.lower.loader, placements, self.slots, self.kv, self.shape.num_layers, mode
+        )
+
+    def files(self) -> list[Path]:
+        """The chunk's files on disk (none for the host tier)."""
+        disk = self.store.disk
+        return [disk.path_of(k.digest) for k in self.hit.keys if disk.contains(k.digest)]
+
+    def close(self) -> None:
+        self.store.close()
 
 
 def _drop_page_cache(path: Path) -> None:
@@ -153,62 +253,85 @@ def _drop_page_cache(path: Path) -> None:
             os.close(fd)
 
 
+def _run_feed(feed: LayerFeed, per_layer: Callable[[int], object] | None = None) -> None:
+    feed.start()
+    try:
+        for layer in range(feed.num_layers):
+            feed.before_layer(layer)
+            if per_layer is not None:
+                per_layer(layer)
+    finally:
+        feed.close()
+
+
 def tier_loader(
-    store: ChunkStore,
-    record: ChunkKV,
-    shape: ModelShape,
-    cold: Callable[[], None] | None = None,
+    chunk: TierChunk, cold: Callable[[], None] | None = None
 ) -> Callable[[int], object]:
-    """``run(n)``: the reuse path's load of n tokens of ``record`` through every layer, as
-    the engine does it (sparse fetch from ``store``, then deferred RoPE); the
-    caller divides the slope by the layer count. One layer alone is too short to time
-    against a file open and the timer's noise."""
-    loader = SparseLoader(store, default_inv_freq(shape.head_dim, shape.rope_theta), LoaderConfig())
-    n_all = record.num_tokens
+    """``run(n)``: the server's load of n tokens of ``chunk`` through every layer (an
+    in-order ``LayerFeed``: sparse fetch, deferred RoPE, write into the pool); the caller
+    divides the slope by the layer count. One layer alone is too short to time against
+    a file open and the timer's noise."""
+    n_all = chunk.num_tokens
 
     def run(n: int) -> object:
         if cold is not None:
             cold()
         # The first n_all - n tokens are "recomputed", so exactly n are loaded.
-        chunk = ChunkPlacement(record.key, n_all, 0, torch.arange(0, n_all - n))
-        return [loader.load_layer([chunk], layer) for layer in range(record.num_layers)]
+        feed = chunk.feed(torch.arange(0, n_all - n), "inorder")
+        _run_feed(feed)
+        return feed.bytes_moved
 
     return run
 
 
 def pipeline_objective(
-    store: ChunkStore,
-    record: ChunkKV,
+    chunk: TierChunk,
     compute: Callable[[int], object],
-    shape: ModelShape,
     repeats: int = 3,
     cold: Callable[[], None] | None = None,
 ) -> Callable[[float], float]:
-    """Measured TTFT(r): the threaded pipeline over all layers, loading the reuse
-    complement of a random recompute set of ceil(r N) tokens and computing those."""
-    n = record.num_tokens
-    loader = SparseLoader(store, default_inv_freq(shape.head_dim, shape.rope_theta), LoaderConfig())
-    cfg = PipelineConfig(mode="threaded")
+    """Measured TTFT(r): the server's threaded ``LayerFeed`` over all layers, loading the
+    reuse complement of a random recompute set of ceil(r N) tokens while ``compute``
+    recomputes those, layer after layer (the worker prefetches layer l + 1 meanwhile)."""
+    n = chunk.num_tokens
 
     def measure(r: float) -> float:
         k = min(n, math.ceil(r * n))
         recompute = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:k]
-        chunk = ChunkPlacement(record.key, n, 0, recompute)
 
         def run() -> None:
             if cold is not None:
                 cold()
-            run_layer_pipeline(
-                shape.num_layers,
-                lambda layer: loader.fetch_layer([chunk], layer),
-                lambda layer, y: compute(k),
-                lambda layer, x: loader.rotate(x),
-                cfg,
-            )
+            _run_feed(chunk.feed(recompute, "threaded"), lambda layer: compute(k))
 
         return time_call(run, repeats)
 
     return measure
+
+
+@contextmanager
+def tier_chunks(
+    cache_dir: Path,
+    shape: ModelShape,
+    num_tokens: int,
+    segment_tokens: int,
+    device: str = "cpu",
+) -> Iterator[dict[str, tuple[TierChunk, Callable[[], None] | None]]]:
+    """The "host" and "disk" calibration chunks, each with its cold-read hook (the disk
+    one drops its files' page cache), in a scratch directory under ``cache_dir`` that is
+    removed afterwards."""
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix="calib-disk-") as tmp:
+        chunks: dict[str, tuple[TierChunk, Callable[[], None] | None]] = {}
+        try:
+            for tier in ("host", "disk"):
+                chunk = TierChunk(tier, Path(tmp) / tier, shape, num_tokens, segment_tokens, device)
+                files = chunk.files()
+                cold = (lambda files=files: [_drop_page_cache(f) for f in files]) if files else None
+                chunks[tier] = (chunk, cold)
+            yield chunks
+        finally:
+            for chunk, _ in chunks.values():
+                chunk.close()
 
 
 @dataclass(frozen=True)
@@ -246,40 +369,25 @@ def calibrate(
     objective: str = "model",
     compute: Callable[[int], object] | None = None,
     repeats: int = 5,
+    segment_tokens: int = PicConfig().segment_tokens,
+    device: str = "cpu",
 ) -> CalibrationResult:
     """Measure t_c, t_o and per-tier t_i, and choose r per tier. ``compute(n)`` runs one
-    layer's recompute of n tokens; None uses ``MatmulProxy`` (a proxy)."""
+    layer's recompute of n tokens; None uses ``MatmulProxy`` (a proxy). Loads run the
+    server's ``LayerFeed`` into a scratch pool on ``device``, over chunks cut into
+    ``segment_tokens`` segments like the server's."""
     if objective not in ("model", "measured"):
         raise ValueError(f"objective must be 'model' or 'measured', got {objective!r}")
     compute_fn = compute if compute is not None else MatmulProxy(shape)
-    model_digest = hashlib.sha256(f"calibrate:{shape}".encode()).hexdigest()
-    record = make_record(shape, num_tokens, model_digest)
     small, large = max(1, num_tokens // 8), num_tokens
     t_c = per_token_cost(compute_fn, small, large, repeats)
     t_o = measure_overhead(shape.num_layers, repeats)
     tiers: dict[str, TierCalibration] = {}
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix="calib-disk-") as tmp:
-        host = HostStore(HostStoreConfig(capacity_bytes=2 * record.nbytes), model_digest)
-        disk = DiskStore(DiskStoreConfig(root=tmp, capacity_bytes=4 * record.nbytes), model_digest)
-        host.put(record)
-        if not disk.put(record):
-            raise OSError(f"could not write the calibration record under {tmp}")
-        path = disk.path_of(record.key)
-        stores: dict[str, tuple[ChunkStore, Callable[[], None] | None]] = {
-            "host": (host, None),
-            "disk": (disk, lambda: _drop_page_cache(path)),
-        }
-        for name, (store, cold) in stores.items():
-            t_i = (
-                per_token_cost(tier_loader(store, record, shape, cold), small, large, repeats)
-                / shape.num_layers
-            )
+    with tier_chunks(cache_dir, shape, num_tokens, segment_tokens, device) as chunks:
+        for name, (chunk, cold) in chunks.items():
+            t_i = per_token_cost(tier_loader(chunk, cold), small, large, repeats) / shape.num_layers
             params = CostParams(t_c, t_i, t_o, shape.num_layers, num_tokens)
-            obj = (
-                None
-                if objective == "model"
-                else pipeline_objective(store, record, compute_fn, shape, cold=cold)
-            )
+            obj = None if objective == "model" else pipeline_objective(chunk, compute_fn, cold=cold)
             res: SearchResult = choose_ratio(params, search, obj)
             tiers[name] = TierCalibration(
                 t_i=t_i,

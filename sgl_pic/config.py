@@ -9,14 +9,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-POLICY_NAMES: tuple[str, ...] = (
-    "full_recompute",
-    "full_reuse",
-    "epic",
-    "cacheblend",
-    "daric",
-    "cachetune",
-)
+from sgl_pic.registry import POLICIES
+
 MTAF_NAMES: tuple[str, ...] = ("linear", "log", "exp")
 # The settings each policy's selection reads: requests that agree on them build the same
 # approximation, so they may share prefix KV (see ``approximation_key``).
@@ -38,7 +32,7 @@ MAX_DARIC_ITERS = 16
 class PicConfig:
     """Settings of position-independent reuse.
 
-    policy:            name of the token-selection policy (see ``POLICY_NAMES``).
+    policy:            name of a registered token-selection policy (``registry.POLICIES``).
     daric_r:           DARIC's initial ratio r: chunk 2 gets r * n_avg tokens, in (0, 1].
     daric_n_avg:       DARIC's average per-chunk budget n_avg (tokens), >= 0.
     daric_mtaf:        DARIC's monotonic token allocation function: linear, log or exp.
@@ -77,10 +71,7 @@ class PicConfig:
             if f.type == "float":
                 # 32 and 32.0 are one budget: one value, one approximation key.
                 object.__setattr__(self, f.name, float(value))
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(
-                f"unknown policy {self.policy!r}; valid policies: {', '.join(POLICY_NAMES)}"
-            )
+        POLICIES.check(self.policy)  # UnknownNameError is a ValueError
         if self.daric_mtaf not in MTAF_NAMES:
             raise ValueError(
                 f"unknown MTAF {self.daric_mtaf!r}; valid MTAFs: {', '.join(MTAF_NAMES)}"

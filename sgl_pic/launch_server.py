@@ -11,8 +11,9 @@ import argparse
 import secrets
 import sys
 
-from sgl_pic.config import MTAF_NAMES, POLICY_NAMES, PicConfig
+from sgl_pic.config import MTAF_NAMES, PicConfig
 from sgl_pic.integration.layer_feed import FEED_MODES
+from sgl_pic.registry import POLICIES
 
 PIC_FLAGS: dict[str, str] = {
     # flag -> PicConfig field
@@ -36,7 +37,7 @@ def pic_arg_parser() -> argparse.ArgumentParser:
     d = PicConfig()
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("sgl_pic")
-    g.add_argument("--pic-policy", choices=POLICY_NAMES, default=d.policy)
+    g.add_argument("--pic-policy", choices=POLICIES.names(), default=d.policy)
     g.add_argument("--pic-r", type=float, default=d.daric_r, help="DARIC initial ratio r")
     g.add_argument("--pic-n-avg", type=float, default=d.daric_n_avg, help="DARIC n_avg")
     g.add_argument("--pic-mtaf", choices=MTAF_NAMES, default=d.daric_mtaf, help="DARIC MTAF")
@@ -81,6 +82,12 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="longest wait for one layer of host/disk KV; past it the batch runs exactly",
     )
+    g.add_argument(
+        "--pic-merge-gap",
+        type=int,
+        default=0,
+        help="merge phase-2 runs separated by at most this many tokens (they are recomputed)",
+    )
     g.add_argument("--pic-max-body-mb", type=int, default=64, help="largest request body")
     g.add_argument("--pic-max-json-depth", type=int, default=64, help="deepest JSON nesting")
     g.add_argument("--pic-disable", action="store_true", help="serve plain SGLang")
@@ -121,9 +128,6 @@ def build(argv: list[str]) -> tuple[list[str], argparse.Namespace, PicConfig]:
             rest += ["--radix-cache-backend", BACKEND_NAME]
         if "--enable-metrics" not in rest:
             rest.append("--enable-metrics")
-        if _flag_value(rest, "--attention-backend") is None:
-            # The chunk path's attention runs on torch_native only (FlashInfer: not yet).
-            rest += ["--attention-backend", "torch_native"]
     return rest, ns, config
 
 
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         calibrate=ns.pic_calibrate,
         feed_mode=ns.pic_feed_mode,
         feed_timeout_s=ns.pic_feed_timeout_s,
+        merge_gap=ns.pic_merge_gap,
         max_body_mb=ns.pic_max_body_mb,
         max_json_depth=ns.pic_max_json_depth,
         secret=secrets.token_hex(32),

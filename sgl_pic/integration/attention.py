@@ -1,11 +1,12 @@
-"""Attention for forwards whose queries are not one contiguous run per request.
+"""Attention pieces of the chunk path that are not a backend.
 
-Phase 1 runs chunks as sub-requests from position 0 over their own slots; phase 2 runs the
-selected tokens of a request, scattered through it, against the whole assembled KV. Both
-are described the same way: groups of query rows, each with the pool slots of its keys (in
-position order) and each query's own index among those keys; a query sees keys at or before
-its index (causal by global position). On a GPU the same groups map onto FlashInfer's paged
-prefill with a custom mask; here they run through torch SDPA like SGLang's torch_native.
+- ``DeviationProbe``: CacheBlend's layer-1 signal, caught at decoder-layer boundaries.
+- ``torch_native_phase_extend``: torch_native's extend for phase batches. SGLang's own loop
+  attends each sub-request as a [seq_len x seq_len] causal SDPA with padded queries, so a
+  phase with many runs of one row would cost runs x seq_len^2. This computes the same
+  thing (each query sees its row's keys up to its own position) once per row, with the
+  query rows only. It is used for phase batches only; every other backend runs its own
+  kernels unchanged.
 """
 
 from __future__ import annotations
@@ -15,33 +16,34 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-GROUPS_ATTR = "sgl_pic_attn_groups"
-# LayerFeeds (sgl_pic.integration.layer_feed) whose layer l must be in the pool before
-# layer l attends; set only while phase 2 runs.
-FEEDS_ATTR = "sgl_pic_layer_feeds"
-# A DeviationProbe while CacheBlend's online pass runs.
-PROBE_ATTR = "sgl_pic_deviation_probe"
-
 
 class DeviationProbe:
-    """CacheBlend's signal, caught at the attention of layer ``layer`` (1: the first layer
-    whose K/V depend on context): the fresh K/V of the pass's tokens against the reused
-    K/V already in the pool at ``slots``. The forward is cut there (``ProbeDone``), so the
-    pass costs layer 0 plus one projection, and layers >= ``layer`` write nothing."""
+    """CacheBlend's signal: after decoder layer ``layer`` (1: the first whose K/V depend
+    on context) has run over the pass's tokens, their fresh K/V at ``slots`` against the
+    reused K/V that were there before. The reused values are put back and the forward is
+    cut there (``ProbeDone``), so later layers never run and the pool is as it was
+    (layer 0's K/V are context-free: fresh equals reused)."""
 
-    def __init__(self, slots: torch.Tensor, layer: int = 1) -> None:
-        self.slots = slots  # [n] pool slots of the pass's tokens, in row order
+    def __init__(self, pool: Any, slots: torch.Tensor, layer: int = 1) -> None:
+        self.pool = pool
+        self.slots = slots.to(pool.get_key_buffer(layer).device)  # [n] pool slots
         self.layer = layer
+        self._k_old = pool.get_key_buffer(layer)[self.slots].clone()
+        self._v_old = pool.get_value_buffer(layer)[self.slots].clone()
         self.deviation: torch.Tensor | None = None  # [n] once caught
 
-    def catch(self, pool: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: # [n, num_kv_heads * head_dim] or [n, num_kv_heads, head_dim]."""
+    def after_layer(self, layer: int) -> None:
+        if layer != self.layer:
+            return
+        kb, vb = self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer)
         n = self.slots.numel()
-        k_old = pool.get_key_buffer(self.layer)[self.slots].reshape(n, -1)
-        v_old = pool.get_value_buffer(self.layer)[self.slots].reshape(n, -1)
-        k_new = k.reshape(n, -1).to(k_old.dtype)
-        v_new = v.reshape(n, -1).to(v_old.dtype)
+        k_new = kb[self.slots].reshape(n, -1).float()
+        v_new = vb[self.slots].reshape(n, -1).float()
+        k_old = self._k_old.reshape(n, -1).float()
+        v_old = self._v_old.reshape(n, -1).float()
         self.deviation = ((k_new - k_old).norm(dim=1) + (v_new - v_old).norm(dim=1)).float()
+        kb[self.slots] = self._k_old
+        vb[self.slots] = self._v_old
         raise ProbeDone
 
 
@@ -125,29 +127,56 @@ def grouped_forward_extend(
 _QUERY_BLOCK = 128
 
 
-def torch_native_forward_extend_hook(
-    original: Any,
-    backend: Any,
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    layer: Any,
-    forward_batch: Any,
+def row_groups(
+    req_pool_indices: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    req_to_token: torch.Tensor,  # [max_reqs, max_len]
+) -> list[AttnGroup]:
+    """Consecutive sub-requests of one row as one group: keys are the row's slots up to
+    the longest of them, each query's index is its position in the row."""
+    groups: list[AttnGroup] = []
+    row = 0
+    b = 0
+    while b < len(req_pool_indices):
+        idx = req_pool_indices[b]
+        e = b
+        while e + 1 < len(req_pool_indices) and req_pool_indices[e + 1] == idx:
+            e += 1
+        device = req_to_token.device
+        q_index = torch.cat(
+            [
+                torch.arange(prefix_lens[j], prefix_lens[j] + extend_lens[j], device=device)
+                for j in range(b, e + 1)
+            ]
+        )
+        seq = max(prefix_lens[j] + extend_lens[j] for j in range(b, e + 1))
+        n = q_index.numel()
+        groups.append(AttnGroup(row, row + n, req_to_token[idx, :seq].to(torch.int64), q_index))
+        row += n
+        b = e + 1
+    return groups
+
+
+def torch_native_phase_extend(
+    backend: Any,  # sglang TorchNativeAttnBackend
+    q: torch.Tensor,  # [n, num_heads * head_dim]
+    k: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
+    v: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
+    layer: Any,  # sglang RadixAttention
+    forward_batch: Any,  # a phase batch (sgl_pic.integration.phases)
     save_kv_cache: bool = True,
-    **kwargs: Any,
 ) -> torch.Tensor:
-    """AROUND hook on TorchNativeAttnBackend.forward_extend: grouped attention while an
-    sgl_pic phase runs, SGLang's own path otherwise."""
-    groups = getattr(forward_batch, GROUPS_ATTR, None)
-    if groups is None:
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    """torch_native's extend for a phase batch, same result as SGLang's loop (see module
+    doc); # [n, num_heads * v_dim]."""
     if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) not in (None, -1):
         raise NotImplementedError("sgl_pic: cross attention and sliding windows are unsupported")
-    probe = getattr(forward_batch, PROBE_ATTR, None)
-    if probe is not None and layer.layer_id == probe.layer and k is not None and v is not None:
-        probe.catch(backend.token_to_kv_pool, k, v)
-    for feed in getattr(forward_batch, FEEDS_ATTR, None) or ():
-        feed.before_layer(layer.layer_id)
+    groups = row_groups(
+        forward_batch.req_pool_indices.tolist(),
+        list(forward_batch.extend_prefix_lens_cpu),
+        list(forward_batch.extend_seq_lens_cpu),
+        backend.req_to_token_pool.req_to_token,
+    )
     return grouped_forward_extend(
         backend.token_to_kv_pool,
         q,

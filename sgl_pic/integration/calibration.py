@@ -1,9 +1,11 @@
 """``--pic-calibrate``: CacheTune's recompute ratio per tier, chosen at server start-up.
 
 Runs ``sgl_pic.calibrate.calibrate`` for the served model's shape: load costs are measured
-on real host-memory and disk tiers (the disk one in the configured disk directory, so the
-same device is measured), the compute cost by the labelled matmul proxy of one decoder
-layer (the engine's own layer needs a forward batch, which does not exist at start-up).
+on the server's own load path (``LowerTiers`` placements read by a ``LayerFeed`` into a
+scratch pool) over real host-memory and disk tiers (the disk one in the configured disk
+directory, so the same device is measured), with the server's segment length; the compute
+cost by the labelled matmul proxy of one decoder layer (the engine's own layer needs a
+forward batch, which does not exist at start-up).
 The golden-section search runs over [cachetune_r, 1]: the configured r is the quality
 floor. Loads from chunk nodes are copies within the pool, so the device tier gets the floor.
 """
@@ -39,13 +41,22 @@ def model_shape(hf: Any, dtype: str) -> ModelShape:
     )
 
 
-def calibrate_tiers(settings: PicServerSettings, hf: Any) -> dict[str, float]:
-    """r per tier ("device", "host", "disk"); also written to calibration.json."""
+def calibrate_tiers(settings: PicServerSettings, hf: Any, device: str = "cpu") -> dict[str, float]:
+    """r per tier ("device", "host", "disk"); also written to calibration.json. ``device``
+    is where the scratch pool lives (the KV pool's device, so the measured feed copies
+    host-to-device as the server's does)."""
     directory = Path(settings.disk_cache_dir) if settings.disk_cache_dir else cache_root()
     directory.mkdir(parents=True, exist_ok=True)
     search = SearchConfig(r_min=settings.config.cachetune_r)
     # Always float32: the calibration records are built on the host, like the tiers'.
-    result = calibrate(directory, model_shape(hf, "float32"), CALIBRATION_TOKENS, search)
+    result = calibrate(
+        directory,
+        model_shape(hf, "float32"),
+        CALIBRATION_TOKENS,
+        search,
+        segment_tokens=settings.config.segment_tokens,
+        device=device,
+    )
     ratios = {"device": search.r_min}
     ratios.update({name: tier.r for name, tier in result.tiers.items()})
     out = directory / RESULT_FILE

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from sgl_pic.rope import RopeLayout, rotate_layers
+from sgl_pic.integration.model_rope import ModelRope
+from sgl_pic.ops import read_pool_kv, rotated_keys, write_pool_kv
 
 
 @contextmanager
@@ -26,21 +27,20 @@ def single_thread() -> Iterator[None]:
 
 class KVAccess:
     """pool: SGLang's MHATokenToKVPool (get_key_buffer / get_value_buffer per layer).
-    inv_freq: # [head_dim // 2] RoPE frequencies of the model."""
+    rope: the model's own rotation (``model_rope``). Every tensor made here lives on the
+    pool's device. Copies and rotations go through ``sgl_pic.ops`` (the CUDA kernels when
+    the pool is on a GPU, the torch reference otherwise); a rotary table that is not plain
+    whole-head RoPE (partial rotary, attention scaling) rotates through the table."""
 
-    def __init__(
-        self, pool: Any, num_layers: int, inv_freq: torch.Tensor, layout: RopeLayout = "neox"
-    ) -> None:
+    def __init__(self, pool: Any, num_layers: int, rope: ModelRope) -> None:
         self.pool = pool
         self.num_layers = num_layers
-        self.inv_freq = inv_freq
-        self.layout: RopeLayout = layout
+        self.rope = rope
+        self.device = pool.get_key_buffer(0).device
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """# [num_layers, 2, n, num_kv_heads, head_dim] copy of the KV at ``slots`` [n]."""
-        ks = [self.pool.get_key_buffer(i)[slots] for i in range(self.num_layers)]
-        vs = [self.pool.get_value_buffer(i)[slots] for i in range(self.num_layers)]
-        return torch.stack([torch.stack(ks), torch.stack(vs)], dim=1)
+        return read_pool_kv(self.pool, self.num_layers, slots.to(self.device))
 
     def write_rotated(
         self,
@@ -49,19 +49,15 @@ class KVAccess:
         start: int,
     ) -> None:
         """Writes ``kv`` to ``slots`` with keys moved to positions start..start+n-1."""
-        keys = kv[:, 0]
+        kv = kv.to(self.device)
         if start:
-            keys = self._rotate(keys, start)
-        for i in range(self.num_layers):
-            kb = self.pool.get_key_buffer(i)
-            vb = self.pool.get_value_buffer(i)
-            kb[slots] = keys[i].to(kb.dtype)
-            vb[slots] = kv[i, 1].to(vb.dtype)
+            kv = torch.stack([self._rotate(kv[:, 0], start), kv[:, 1]], dim=1)
+        write_pool_kv(self.pool, self.num_layers, slots.to(self.device), kv)
 
     def pre_rope_keys(self, kv: torch.Tensor) -> torch.Tensor:
         """# [num_layers, n, num_kv_heads, head_dim] the keys of a chunk's independent KV
         (``kv`` # [num_layers, 2, n, num_kv_heads, head_dim], keys at 0..n-1) un-rotated."""
-        return self._rotate(kv[:, 0], -torch.arange(kv.shape[2]))
+        return self._rotate(kv[:, 0], -torch.arange(kv.shape[2], device=kv.device))
 
     def write_layer(
         self,
@@ -79,5 +75,8 @@ class KVAccess:
     def _rotate(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """keys # [L, n, H, D] rotated by ``delta`` positions (scalar or # [n])."""
         n = keys.shape[1]
-        d = torch.full((n,), delta) if isinstance(delta, int) else delta
-        return rotate_layers(keys, d, self.inv_freq, self.layout)
+        d = torch.full((n,), delta, device=keys.device) if isinstance(delta, int) else delta
+        spec = self.rope.spec
+        if spec.inv_freq is not None:
+            return rotated_keys(keys, d, spec.inv_freq.to(keys.device), spec.layout)
+        return self.rope.rotate(keys, d)

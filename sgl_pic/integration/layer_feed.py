@@ -8,10 +8,17 @@ chunk's recomputed set) and rotates their keys to their global positions (deferr
 at most ``depth`` layers ahead of the forward, handing each layer over through an event.
 That is CacheTune Appendix B's schedule: transfer of l + 1 overlaps the forward of l.
 
-Modes: "threaded" (a worker thread; the CPU default) and "inorder" (fetched on demand, the
-reference order). On a GPU the same worker would issue its copies on a side CUDA stream
-and hand over with CUDA events; that variant is in ``sgl_pic.store.pipeline`` and has not
-run here (no GPU was available), so the engine uses the threaded schedule everywhere.
+Modes: "threaded" (a worker thread) and "inorder" (fetched on demand on the forward's
+thread and stream, the reference order).
+
+With the pool on a CUDA device, "threaded" is the three-stream schedule: the worker
+reads rows on the host, stages them in pinned memory and issues the host-to-device copy
+and the key rotation on a side CUDA stream, then records that layer's CUDA event. The
+threading.Event still says "issued"; ``before_layer(l)`` makes the forward's current
+stream wait on event l (a device-side wait, no host sync) and then scatters the rows into
+the pool on that stream, so the copy of layer l + 1 overlaps the compute of layer l. On a
+CPU pool the threading.Event alone orders everything and the handoff is a no-op
+(``HostHandoff``); ``CudaHandoff`` is the CUDA one.
 
 Waits are bounded: a layer not loaded within ``timeout_s`` raises ``FeedTimeout`` and stops
 the worker. Only the forward's thread writes the pool (in ``before_layer``), so a stuck or
@@ -20,14 +27,16 @@ late worker never touches the request's slots; the batch's exact rerun overwrite
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from sgl_pic.integration.kv_access import KVAccess
-from sgl_pic.store.loader import ChunkPlacement, LoadedLayer, SparseLoader
+from sgl_pic.store.loader import ChunkPlacement, FetchedLayer, LoadedLayer, SparseLoader
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +58,95 @@ class FeedTimeout(RuntimeError):
     nothing else the feed wrote), which an exact rerun of the batch overwrites."""
 
 
+class HostHandoff:
+    """Handoff of a loaded layer from the worker to the forward when the pool is on the
+    CPU: the worker's tensors are complete when it sets the layer's threading.Event, so
+    there is nothing more to order. ``CudaHandoff`` is the device variant."""
+
+    def issuing(self) -> AbstractContextManager[object]:
+        """Context the worker loads a layer in."""
+        return nullcontext()
+
+    def to_pool_device(self, fetched: FetchedLayer) -> FetchedLayer:
+        """The fetched rows where the pool is (here: as fetched)."""
+        return fetched
+
+    def record(self, layer: int) -> None:
+        """Worker, after issuing layer ``layer``'s copies and rotation."""
+
+    def wait(self, layer: int) -> None:
+        """Forward thread, before writing layer ``layer`` into the pool."""
+
+    def retire(self, loaded: LoadedLayer) -> None:
+        """Forward thread, after the pool write that consumed ``loaded``."""
+
+
+class CudaHandoff(HostHandoff):
+    """Side-stream copies with one CUDA event per layer.
+
+    The worker's copies and rotation go on ``stream``; ``record(l)`` marks their end with
+    ``events[l]``; ``wait(l)`` makes the forward's current stream wait for it on the
+    device. The rows were allocated on the side stream and are read on the forward's, so
+    ``retire`` tells the caching allocator (``record_stream``) not to reuse them before
+    that read is done.
+    """
+
+    def __init__(self, device: torch.device, num_layers: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.events = [torch.cuda.Event() for _ in range(num_layers)]
+
+    def issuing(self) -> AbstractContextManager[object]:
+        return torch.cuda.stream(self.stream)
+
+    def to_pool_device(self, fetched: FetchedLayer) -> FetchedLayer:
+        # Rows still on the host go through pinned staging, so the copy is asynchronous
+        # on the side stream (a pageable source would make it a host-synchronous copy).
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device == self.device:
+                return t
+            staged = t if t.is_pinned() else t.pin_memory()
+            return staged.to(self.device, non_blocking=True)
+
+        if fetched.positions.numel() == 0:
+            return fetched
+        return dataclasses.replace(fetched, k=move(fetched.k), v=move(fetched.v))
+
+    def record(self, layer: int) -> None:
+        self.events[layer].record(self.stream)
+
+    def wait(self, layer: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.events[layer])
+
+    def retire(self, loaded: LoadedLayer) -> None:
+        current = torch.cuda.current_stream(self.device)
+        for t in (loaded.k, loaded.v):
+            if t.device.type == "cuda":
+                t.record_stream(current)
+
+
+def pool_device(kv: KVAccess) -> torch.device:
+    """Where the pool's layer-0 key buffer lives."""
+    return kv.pool.get_key_buffer(0).device
+
+
+def make_handoff(device: torch.device, num_layers: int) -> HostHandoff:
+    """The handoff for a pool on ``device``: CUDA events for a CUDA pool, else none."""
+    if device.type == "cuda":
+        return CudaHandoff(device, num_layers)
+    return HostHandoff()
+
+
 class LayerFeed:
     """Loads the reused KV of one request's lower-tier chunks into its pool slots.
 
     slots:     # [prompt_len] int64 the request's pool slots, indexed by global position.
     timeout_s: longest wait of ``before_layer`` for one layer in "threaded" mode (then
                ``FeedTimeout``). "inorder" loads on the caller's thread, unbounded.
+
+    On a CUDA pool, "threaded" copies on a side stream (``CudaHandoff``); after
+    ``before_layer(l)`` returns, layer l is ordered before any later work on the caller's
+    current stream (not necessarily finished on the device yet).
     """
 
     def __init__(
@@ -92,6 +184,10 @@ class LayerFeed:
         self._next = 0  # next layer the forward will consume
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # "inorder" loads on the forward's own stream: nothing to hand over.
+        self._handoff = (
+            make_handoff(pool_device(kv), num_layers) if mode == "threaded" else HostHandoff()
+        )
 
     def start(self) -> None:
         if self.mode == "threaded" and self._thread is None:
@@ -107,7 +203,9 @@ class LayerFeed:
                         return
                 if self._stop.is_set():
                     return
-                loaded = self._load(layer)
+                with self._handoff.issuing():
+                    loaded = self._load(layer)
+                    self._handoff.record(layer)
                 if self._stop.is_set():
                     return  # timed out or closed meanwhile: nobody will consume it
                 self._loaded[layer] = loaded
@@ -118,12 +216,12 @@ class LayerFeed:
                 ev.set()
 
     def _load(self, layer: int) -> LoadedLayer:
-        loaded = self.loader.rotate(self.loader.fetch_layer(self.placements, layer))
-        if loaded.missing:
+        fetched = self.loader.fetch_layer(self.placements, layer)
+        if fetched.missing:
             raise MissingChunkError(
-                f"{len(loaded.missing)} lower-tier segment(s) became unreadable at layer {layer}"
+                f"{len(fetched.missing)} lower-tier segment(s) became unreadable at layer {layer}"
             )
-        return loaded
+        return self.loader.rotate(self._handoff.to_pool_device(fetched))
 
     def before_layer(self, layer: int) -> None:
         """Blocks until layer ``layer``'s reused KV is in the pool (writing it there)."""
@@ -140,8 +238,10 @@ class LayerFeed:
                 raise self._error
             loaded = self._loaded.pop(layer)
             self._consumed.release()
+            self._handoff.wait(layer)
         if loaded.positions.numel():
             self.kv.write_layer(layer, self.slots[loaded.positions], loaded.k, loaded.v)
+            self._handoff.retire(loaded)
         self.bytes_moved += loaded.bytes_moved
         self.bytes_dense += loaded.bytes_dense
         self.tokens_moved += int(loaded.positions.numel())

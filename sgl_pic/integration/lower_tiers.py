@@ -167,5 +167,6 @@ class LowerTiers:
             ks.append(record.k)
             vs.append(record.v)
         k_pre = torch.cat(ks, dim=1)
-        k_post = rotate_layers(k_pre, torch.arange(k_pre.shape[1]), self.inv_freq, self.layout)
+        positions = torch.arange(k_pre.shape[1], device=k_pre.device)
+        k_post = rotate_layers(k_pre, positions, self.inv_freq, self.layout)
         return torch.stack([k_post, torch.cat(vs, dim=1).to(k_post.dtype)], dim=1)

@@ -121,6 +121,17 @@ class PicMetrics:
             "sgl_pic_feed_timeouts",
             "Host/disk layer feeds that stalled past the timeout (the batch ran as exact prefill)",
         )
+        self.phase2_runs = Counter(
+            "sgl_pic_phase2_runs",
+            "Contiguous runs of recomputed tokens phase 2 ran as extend sub-requests",
+        )
+        self.unsupported = Gauge(
+            "sgl_pic_unsupported",
+            "1 when chunk reuse is off because the method does not cover the model or "
+            "backend (the reason label says which); every request then runs exact",
+            ["reason"],
+            multiprocess_mode="mostrecent",
+        )
         self._errors_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
             "sgl_pic_last_hit_rate",

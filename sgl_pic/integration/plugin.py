@@ -22,17 +22,16 @@ logger = logging.getLogger(__name__)
 _registered = False
 _executor: Any = None  # ChunkExecutor of this scheduler process, once the backend is built
 _gate: Any = None  # AdmissionGate of this scheduler process, once the backend is built
-_req_to_token: torch.Tensor | None = None
+_phases: Any = None  # PhaseRunner of this scheduler process
 
-MODEL_FORWARD_TARGETS = ("sglang.srt.models.llama.LlamaModel.forward",)
-ATTENTION_TARGET = (
+# torch_native's extend, for phase batches only (``attention.torch_native_phase_extend``).
+TORCH_NATIVE_EXTEND = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 )
 PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 # Called by the scheduler on every generate request before it is queued (the patch
 # reaches the scheduler's own ``from ... import`` binding through HookRegistry).
 ADMIT_TARGET = "sglang.srt.managers.utils.validate_input_length"
-TORCH_NATIVE = "torch_native"
 
 
 def register() -> None:
@@ -46,13 +45,9 @@ def register() -> None:
     )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_pic.integration.attention import torch_native_forward_extend_hook
-
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
-    for target in MODEL_FORWARD_TARGETS:
-        HookRegistry.register(target, _model_forward_hook, HookType.AROUND)
-    HookRegistry.register(ATTENTION_TARGET, torch_native_forward_extend_hook, HookType.AROUND)
+    HookRegistry.register(TORCH_NATIVE_EXTEND, _torch_native_extend_hook, HookType.AROUND)
     HookRegistry.register(PREPARE_TARGET, _after_prepare_for_extend, HookType.AFTER)
     HookRegistry.register(ADMIT_TARGET, _admit_hook, HookType.AROUND)
 
@@ -60,7 +55,7 @@ def register() -> None:
 def build_tree_cache(ctx: Any) -> Any:
     """Radix cache factory: SGLang's own tree plus chunk nodes (``ChunkRadixCache``), the
     host and disk tiers under them, and the executor that uses them."""
-    global _executor, _gate, _req_to_token
+    global _executor, _gate, _phases
     from sgl_pic.integration import radix_cache
     from sgl_pic.integration.chunk_nodes import ChunkNodeTable
     from sgl_pic.integration.executor import ChunkExecutor
@@ -68,32 +63,50 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.integration.gate import AdmissionGate
     from sgl_pic.integration.kv_access import KVAccess
     from sgl_pic.integration.metrics import PicMetrics
+    from sgl_pic.integration.model_hooks import check_support, install
+    from sgl_pic.integration.model_rope import ModelRope, find_rotary, rope_spec
+    from sgl_pic.integration.phases import PhaseRunner
     from sgl_pic.integration.settings import PicServerSettings
     from sgl_pic.integration.spans import MarkSigner
-    from sgl_pic.rope import default_inv_freq
 
     settings = PicServerSettings.from_env()
-    hf = ctx.model_config.hf_config
-    pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    num_layers = int(hf.num_hidden_layers)
-    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
-    fingerprint = server_fingerprint(ctx, pool.dtype)
-    inv_freq = default_inv_freq(head_dim, _rope_theta(hf))
     vocab_size = int(ctx.model_config.vocab_size)
+    metrics = PicMetrics()
+    # Checked before anything is built: a model or backend the method does not cover is
+    # served exactly, with reuse off, a log line and a metric.
+    support = check_support(ctx)
+    cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    fingerprint = server_fingerprint(ctx, cache_pool.dtype)
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
-    capacity = int(settings.device_cache_fraction * pool_tokens)
+    capacity = int(settings.device_cache_fraction * pool_tokens) if support.ok else 0
 
     def make_table(allocator: Any) -> ChunkNodeTable:
         return ChunkNodeTable(allocator, fingerprint, settings.config.segment_tokens, capacity)
 
     cache = radix_cache.build(ctx, make_table)
     assert cache.chunk_nodes is not None
-    metrics = PicMetrics()
-    lower = (
-        _lower_tiers(settings, fingerprint, inv_freq, pool, metrics)
-        if settings.has_lower_tiers
-        else None
-    )
+    if not support.ok:
+        logger.error(
+            "sgl_pic: chunk reuse is off: %s is not covered; every request runs as exact "
+            "prefill (see the README's list of covered models and backends)",
+            support.detail,
+        )
+        metrics.unsupported.labels(reason=support.reason).set(1)
+        _gate = AdmissionGate(settings.config, None, vocab_size, metrics)
+        return cache
+    runner = ctx.tp_worker.model_runner
+    hf = ctx.model_config.hf_config
+    num_layers = int(hf.num_hidden_layers)
+    spec = rope_spec(find_rotary(runner.model), cache_pool.get_key_buffer(0).device)
+    kv = KVAccess(cache_pool, num_layers, ModelRope(spec))
+    lower = None
+    if settings.has_lower_tiers and spec.inv_freq is None:
+        logger.error(
+            "sgl_pic: host and disk tiers are off: they store keys by plain RoPE frequencies, "
+            "and this model's rotary table (partial rotary or attention scaling) has none"
+        )
+    elif settings.has_lower_tiers:
+        lower = _lower_tiers(settings, fingerprint, spec.inv_freq.cpu(), cache_pool, metrics)
     ratios = None
     if settings.calibrate and lower is not None:
         from sgl_pic.integration.calibration import calibrate_tiers
@@ -101,53 +114,47 @@ def build_tree_cache(ctx: Any) -> Any:
         ratios = calibrate_tiers(settings, hf)
         for tier, r in ratios.items():
             metrics.calibrated_r.labels(tier=tier).set(r)
-    kv = KVAccess(pool, num_layers, inv_freq)
-    backends = {
-        getattr(ctx.server_args, "attention_backend", None),
-        getattr(ctx.server_args, "prefill_attention_backend", None),
-    } - {None}
-    if backends != {TORCH_NATIVE}:
-        # The chunk path's grouped attention is a hook on torch_native's extend; another
-        # backend would attend the phases as ordinary extends, which is wrong. Chunked
-        # requests are then served as plain SGLang prefill (exact, no reuse).
-        logger.error(
-            "sgl_pic: chunk reuse needs --attention-backend %s (got %s); chunked requests "
-            "run without reuse",
-            TORCH_NATIVE,
-            sorted(backends),
-        )
-        _gate = AdmissionGate(settings.config, None, vocab_size, metrics)
-        return cache
     if not settings.secret:
         logger.error(
             "sgl_pic: no mark-signing secret (not started by python -m sgl_pic.launch_server); "
             "chunk marks are not honoured and every request runs as exact prefill"
         )
+    _phases = PhaseRunner(
+        runner.attn_backend,
+        ctx.params.req_to_token_pool.req_to_token,
+        getattr(runner, "kv_index_translator", None),
+        ctx.params.req_to_token_pool,
+    )
     _executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,
         kv,
         metrics,
+        _phases,
         lower=lower,
         ratios=ratios,
         feed_mode=settings.feed_mode,
         feed_timeout_s=settings.feed_timeout_s,
+        merge_gap=settings.merge_gap,
     )
-    _req_to_token = ctx.params.req_to_token_pool.req_to_token
+    install(runner, _on_extend, _phases.layer_start, _phases.layer_end)
     signer = MarkSigner(settings.secret) if settings.secret else None
     _gate = AdmissionGate(settings.config, signer, vocab_size, metrics)
     logger.info(
-        "sgl_pic chunk cache ready: policy=%s, chunk nodes up to %d of %d pool slots, "
-        "host tier %d MiB, disk tier %s, %d layers, head dim %d",
+        "sgl_pic chunk cache ready: policy=%s, model %s, attention backend %s, chunk nodes up "
+        "to %d of %d pool slots, host tier %d MiB, disk tier %s, %d layers, rotary dim %d (%s)",
         settings.config.policy,
+        type(runner.model).__name__,
+        type(runner.attn_backend).__name__,
         capacity,
         pool_tokens,
-        settings.host_cache_mb,
+        settings.host_cache_mb if lower is not None else 0,
         f"{settings.disk_cache_dir} ({settings.disk_cache_mb} MiB)"
-        if settings.disk_cache_dir
+        if settings.disk_cache_dir and lower is not None
         else "off",
         num_layers,
-        head_dim,
+        spec.rotary_dim,
+        spec.layout,
     )
     return cache
 
@@ -181,23 +188,12 @@ def _lower_tiers(
     has_host = settings.host_cache_mb > 0
     config = TieredStoreConfig(host, disk, promote_on_get=has_host, promote_on_get_layers=has_host)
     store = TieredStore(config, pre.digest())
-    device = str(getattr(pool, "device", None) or "cpu")
-    lower = LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device=device)
+    # Loads land in host memory; on a GPU the layer feed stages them through pinned memory
+    # and copies them on a side stream, one event per layer (``layer_feed``).
+    lower = LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device="cpu")
     # build_tree_cache runs on the scheduler's main thread, where signal handlers can be set.
     install_shutdown(lower, metrics)
     return lower
-
-
-def _rope_theta(hf: Any) -> float:
-    params = getattr(hf, "rope_parameters", None) or {}
-    scaling = getattr(hf, "rope_scaling", None) or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise NotImplementedError(f"sgl_pic re-rotation supports plain RoPE only, not {kind!r}")
-    theta = params.get("rope_theta") or getattr(hf, "rope_theta", None)
-    if theta is None:
-        raise ValueError("model config has no rope_theta")
-    return float(theta)
 
 
 def _admit_hook(original: Any, req: Any, *args: Any, **kwargs: Any) -> str | None:
@@ -233,57 +229,47 @@ def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any
     return result
 
 
-def _model_forward_hook(
-    original: Any,
-    model: Any,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
+def _on_extend(
+    stack: Any,
+    input_ids: torch.Tensor,  # [n]
+    positions: torch.Tensor,  # [n]
     forward_batch: Any,
-    input_embeds: torch.Tensor | None = None,
-    pp_proxy_tensors: Any = None,
-    **kwargs: Any,
-) -> Any:
-    from sgl_pic.integration.attention import GROUPS_ATTR
-
-    def plain() -> Any:
-        return original(
-            model,
-            input_ids,
-            positions,
-            forward_batch,
-            input_embeds,
-            pp_proxy_tensors=pp_proxy_tensors,
-            **kwargs,
-        )
-
-    if (
-        _executor is None
-        or _req_to_token is None
-        or input_embeds is not None
-        or pp_proxy_tensors is not None
-        or getattr(forward_batch, GROUPS_ATTR, None) is not None
-        or not forward_batch.forward_mode.is_extend()
-        or forward_batch.extend_prefix_lens_cpu is None
-    ):
-        return plain()
-
-    def run(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return original(model, ids, pos, forward_batch, **kwargs)
-
+) -> torch.Tensor | None:
+    """The decoder stack's extend batches (``model_hooks.install``): chunk execution when
+    the batch carries chunked requests; None lets the stack run it as SGLang would."""
+    if _executor is None or _phases is None or _phases.batch is not None:
+        return None
+    if forward_batch.extend_prefix_lens_cpu is None:
+        return None
     try:
-        hidden = _executor.forward(run, input_ids, positions, forward_batch, _req_to_token)
+        return _executor.forward(stack, input_ids, forward_batch)
     except Exception:
         # SGLang kills the whole server when a scheduler raises. Running the batch as SGLang
         # would rewrites every new token's KV from scratch, so whatever the failed attempt
         # wrote is overwritten; the request is served without reuse and the failure counted.
         logger.exception("sgl_pic: chunk execution failed; running the batch without reuse")
         _executor.metrics.failures.inc()
-        _reset_groups(forward_batch)
-        return plain()
-    return plain() if hidden is None else hidden
+        _phases.before_layer, _phases.after_layer = [], []
+        # The backend was planned for a phase batch: plan it for the live one again.
+        _phases.backend.init_forward_metadata(forward_batch)
+        return None
 
 
-def _reset_groups(forward_batch: Any) -> None:
-    from sgl_pic.integration.attention import GROUPS_ATTR
+def _torch_native_extend_hook(
+    original: Any,
+    backend: Any,
+    q: torch.Tensor,  # [n, num_heads * head_dim]
+    k: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
+    v: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
+    layer: Any,
+    forward_batch: Any,
+    save_kv_cache: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """AROUND hook on TorchNativeAttnBackend.forward_extend: SGLang's own path for every
+    batch but a phase batch of this process's executor."""
+    if _phases is None or forward_batch is not _phases.batch:
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    from sgl_pic.integration.attention import torch_native_phase_extend
 
-    setattr(forward_batch, GROUPS_ATTR, None)
+    return torch_native_phase_extend(backend, q, k, v, layer, forward_batch, save_kv_cache)

@@ -31,6 +31,9 @@ class PicServerSettings:
     feed_mode:            how host/disk KV is loaded during phase 2: "threaded" or "inorder".
     feed_timeout_s:       longest wait for one layer of host/disk KV; a stuck feed makes
                           its batch run as exact prefill.
+    merge_gap:            phase-2 runs of recomputed tokens separated by at most this many
+                          tokens run as one sub-request (the gap is recomputed too, which
+                          only brings the result closer to exact); 0 keeps runs as selected.
     max_body_mb:          largest HTTP request body accepted (413 above it).
     max_json_depth:       deepest JSON nesting accepted in a request body (400 above it).
     secret:               per-launch key that signs the chunk marks our HTTP translation
@@ -47,6 +50,7 @@ class PicServerSettings:
     calibrate: bool = False
     feed_mode: str = "threaded"
     feed_timeout_s: float = 30.0
+    merge_gap: int = 0
     max_body_mb: int = 64
     max_json_depth: int = 64
     secret: str = field(default="", repr=False)
@@ -64,6 +68,8 @@ class PicServerSettings:
             )
         if not 0.0 < self.feed_timeout_s <= 3600.0:
             raise ValueError(f"feed_timeout_s must be in (0, 3600], got {self.feed_timeout_s}")
+        if isinstance(self.merge_gap, bool) or not 0 <= self.merge_gap <= 4096:
+            raise ValueError(f"merge_gap must be an int in [0, 4096], got {self.merge_gap!r}")
         if self.max_body_mb < 1 or self.max_json_depth < 4:
             raise ValueError("max_body_mb must be >= 1 and max_json_depth >= 4")
         if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):

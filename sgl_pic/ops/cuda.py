@@ -29,7 +29,19 @@ import torch
 
 from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+
+def find_kernel_dir() -> Path:
+    """Where the CUDA sources are: ``sgl_pic/kernels`` inside an installed package (the
+    wheel ships them there, see pyproject.toml), else ``kernels/`` of the source checkout
+    this module runs from."""
+    here = Path(__file__).resolve()
+    packaged = here.parents[1] / "kernels"
+    if (packaged / "nvcc.flags").is_file():
+        return packaged
+    return here.parents[2] / "kernels"
+
+
+KERNEL_DIR = find_kernel_dir()
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "sgl_pic" / "kernels"
 ABI_VERSION = 1  # PIC_ABI_VERSION in kernels/sgl_pic_kernels.h
 MAX_HEAD_DIM = 1024  # kMaxHeadDim in kernels/rope.cu

@@ -17,8 +17,10 @@ from sgl_pic.rope import RopeLayout
 
 KVBuffer = torch.Tensor | Sequence[torch.Tensor]
 """A KV buffer of every layer: one # [num_layers, num_rows, num_kv_heads, head_dim]
-tensor, or a sequence of num_layers # [num_rows, num_kv_heads, head_dim] tensors
-(SGLang's ``k_buffer`` / ``v_buffer``)."""
+tensor (contiguous within each layer; layers may be further apart, as in ``kv[:, 0]`` of
+a # [num_layers, 2, n, num_kv_heads, head_dim] tensor), or a sequence of num_layers
+# [num_rows, num_kv_heads, head_dim] contiguous tensors (SGLang's ``k_buffer`` /
+``v_buffer``)."""
 
 KV_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
@@ -95,8 +97,20 @@ def _check_kv_tensor(t: torch.Tensor, name: str, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.dtype not in KV_DTYPES:
         raise ValueError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+    if not _layers_contiguous(t):
+        raise ValueError(f"{name} must be contiguous within each layer (strides {t.stride()})")
+
+
+def _layers_contiguous(t: torch.Tensor) -> bool:
+    """Each layer contiguous, layers apart by a stride of at least one layer: K or V of a
+    # [num_layers, 2, n, num_kv_heads, head_dim] tensor (``kv[:, 0]``) qualifies, so the
+    ops take it without a copy; the kernels address layers by base + stride."""
+    if t.dim() != 4 or t.shape[0] == 0:
+        return t.is_contiguous()
+    if not t[0].is_contiguous():
+        return False
+    # Overlapping layers (an expanded tensor) would let one layer's write land in another.
+    return t.shape[0] == 1 or t.stride(0) >= t[0].numel()
 
 
 def layers_of(buf: KVBuffer, name: str) -> Layers:
@@ -271,3 +285,15 @@ def plan_rope(
         layout=layout,
         scale=float(scale),
     )
+
+
+def checked_rows(
+    ids: torch.Tensor,  # [n] int32/int64
+    num_rows: int,
+    device: torch.device,
+    name: str = "slot_ids",
+) -> torch.Tensor:
+    """# [n] int64 on ``device``: ``ids`` checked to lie in [0, num_rows) (one host read)."""
+    rows = _index(ids, name, device)
+    _check_ranges([(rows, num_rows, name)])
+    return rows

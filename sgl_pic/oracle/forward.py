@@ -57,11 +57,16 @@ def project_qkv(
     layer: LayerWeights,
     h: torch.Tensor,  # [n, hidden] layer input
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pre-RoPE q # [n, H, D], k # [n, Hkv, D], v # [n, Hkv, D]."""
+    """Pre-RoPE q # [n, H, D], k # [n, Hkv, D], v # [n, Hkv, D] (Qwen3: after the
+    per-head q/k norms, which come before RoPE, so pre-RoPE keys include them)."""
     x = rms_norm(h, layer.input_norm, w.rms_eps)
     q = F.linear(x, layer.q_proj, layer.q_bias).view(-1, w.num_heads, w.head_dim)
     k = F.linear(x, layer.k_proj, layer.k_bias).view(-1, w.num_kv_heads, w.head_dim)
     v = F.linear(x, layer.v_proj, layer.v_bias).view(-1, w.num_kv_heads, w.head_dim)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, w.rms_eps)
+    if layer.k_norm is not None:
+        k = rms_norm(k, layer.k_norm, w.rms_eps)
     return q, k, v
 
 
@@ -132,7 +137,7 @@ def forward_tokens(
         kv.k[li, slots] = k.to(kv.k.dtype)
         kv.v[li, slots] = v.to(kv.v.dtype)
         attn = attention(w, q, kv.k[li], kv.v[li], positions, slot_positions)
-        h = h + F.linear(attn, layer.o_proj)
+        h = h + F.linear(attn, layer.o_proj, layer.o_bias)
         h = h + mlp(layer, rms_norm(h, layer.post_norm, w.rms_eps))
     hidden = rms_norm(h, w.final_norm, w.rms_eps) if n_layers == w.num_layers else None
     return ForwardResult(h, hidden, torch.stack(pre) if keep_pre_rope and pre else None)

@@ -244,7 +244,7 @@ class Oracle:
                     buf_k[li, :, : pos + 1].transpose(1, 2),
                     buf_v[li, :, : pos + 1].transpose(1, 2),
                 )
-                h = h + F.linear(attn.reshape(b, -1), layer.o_proj)
+                h = h + F.linear(attn.reshape(b, -1), layer.o_proj, layer.o_bias)
                 h = h + mlp(layer, rms_norm(h, layer.post_norm, w.rms_eps))
             logits = logits_of(w, rms_norm(h, w.final_norm, w.rms_eps))
         return out

@@ -1,7 +1,9 @@
 """Decoder weights of a Llama-family model as plain tensors, read from a HF model.
 
-Llama, Mistral and Qwen2 share one block: RMSNorm, grouped-query attention with RoPE
-(Qwen2 adds q/k/v biases), RMSNorm, SwiGLU MLP.
+Llama, Mistral, Qwen2 and Qwen3 share one block: RMSNorm, grouped-query attention with
+RoPE, RMSNorm, SwiGLU MLP. Qwen2 adds q/k/v biases (and ``attention_bias`` configs of the
+others biases on q/k/v/o); Qwen3 normalises each head of q and k (RMSNorm over the head
+dim) before RoPE. RoPE frequencies and scaling come from the config (``rope_scaling``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from sgl_pic.oracle.rope_scaling import rope_frequencies
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,9 @@ class LayerWeights:
     q_bias: torch.Tensor | None  # [num_heads * head_dim]
     k_bias: torch.Tensor | None  # [num_kv_heads * head_dim]
     v_bias: torch.Tensor | None  # [num_kv_heads * head_dim]
+    o_bias: torch.Tensor | None  # [hidden]
+    q_norm: torch.Tensor | None  # [head_dim] Qwen3's per-head RMSNorm of q
+    k_norm: torch.Tensor | None  # [head_dim] ... and of k
     post_norm: torch.Tensor  # [hidden]
     gate_proj: torch.Tensor  # [intermediate, hidden]
     up_proj: torch.Tensor  # [intermediate, hidden]
@@ -40,8 +47,8 @@ class ModelWeights:
     num_kv_heads: int
     head_dim: int
     rms_eps: float
-    inv_freq: torch.Tensor  # [head_dim // 2]
-    rope_scale: float  # attention scaling of scaled RoPE variants (1.0 for plain RoPE)
+    inv_freq: torch.Tensor  # [head_dim // 2] float32, after any RoPE scaling
+    rope_scale: float  # factor on cos and sin (YaRN's mscale; 1.0 otherwise)
     embed: torch.Tensor  # [vocab, hidden]
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor  # [hidden]
@@ -62,20 +69,19 @@ def weights_from_hf(model: torch.nn.Module) -> ModelWeights:
         )
     base = model.model
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rotary = base.rotary_emb
-    inv_freq = rotary.inv_freq.detach().to(torch.float32).clone()
-    if inv_freq.numel() * 2 != head_dim:
+    rope = rope_frequencies(cfg)
+    if rope.rotary_dim != head_dim:
         raise ValueError(
-            f"partial rotary embedding (rotary dim {inv_freq.numel() * 2}, head dim "
-            f"{head_dim}) is not supported"
+            f"partial rotary embedding (rotary dim {rope.rotary_dim}, head dim {head_dim}) "
+            "is not supported"
         )
+    _check_against_model_rope(base.rotary_emb, rope.inv_freq, rope.attention_scaling)
     layers = []
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
-
-        def bias(lin: torch.nn.Linear) -> torch.Tensor | None:
-            return None if lin.bias is None else lin.bias.detach()
-
+        if any(getattr(lin, "bias", None) is not None for lin in _mlp_linears(mlp)):
+            raise ValueError("MLP biases (mlp_bias) are not supported")
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         layers.append(
             LayerWeights(
                 input_norm=layer.input_layernorm.weight.detach(),
@@ -83,9 +89,12 @@ def weights_from_hf(model: torch.nn.Module) -> ModelWeights:
                 k_proj=attn.k_proj.weight.detach(),
                 v_proj=attn.v_proj.weight.detach(),
                 o_proj=attn.o_proj.weight.detach(),
-                q_bias=bias(attn.q_proj),
-                k_bias=bias(attn.k_proj),
-                v_bias=bias(attn.v_proj),
+                q_bias=_bias(attn.q_proj),
+                k_bias=_bias(attn.k_proj),
+                v_bias=_bias(attn.v_proj),
+                o_bias=_bias(attn.o_proj),
+                q_norm=None if q_norm is None else q_norm.weight.detach(),
+                k_norm=None if k_norm is None else k_norm.weight.detach(),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 gate_proj=mlp.gate_proj.weight.detach(),
                 up_proj=mlp.up_proj.weight.detach(),
@@ -98,13 +107,39 @@ def weights_from_hf(model: torch.nn.Module) -> ModelWeights:
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
         rms_eps=float(cfg.rms_norm_eps),
-        inv_freq=inv_freq,
-        rope_scale=float(getattr(rotary, "attention_scaling", 1.0)),
+        inv_freq=rope.inv_freq,
+        rope_scale=rope.attention_scaling,
         embed=base.embed_tokens.weight.detach(),
         layers=tuple(layers),
         final_norm=base.norm.weight.detach(),
         lm_head=model.lm_head.weight.detach(),
     )
+
+
+def _bias(lin: torch.nn.Linear) -> torch.Tensor | None:
+    return None if lin.bias is None else lin.bias.detach()
+
+
+def _mlp_linears(mlp: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    return (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+
+def _check_against_model_rope(
+    rotary: torch.nn.Module, inv_freq: torch.Tensor, scaling: float
+) -> None:
+    """The frequencies computed from the config must be the ones the HF model rotates
+    with: a RoPE variant or option the formulas here miss fails loudly, not silently."""
+    theirs = getattr(rotary, "inv_freq", None)
+    if theirs is None:
+        return
+    theirs = theirs.detach().to(torch.float32)
+    if theirs.shape != inv_freq.shape or not torch.allclose(theirs, inv_freq, rtol=1e-6, atol=0):
+        raise ValueError("RoPE frequencies from the config differ from the model's own")
+    theirs_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    if abs(theirs_scaling - scaling) > 1e-6:
+        raise ValueError(
+            f"RoPE attention scaling {scaling} differs from the model's {theirs_scaling}"
+        )
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

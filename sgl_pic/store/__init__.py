@@ -1,5 +1,6 @@
 """Chunk KV store: host and disk tiers, the on-disk format, sparse loading with deferred
-RoPE, the per-layer pipeline, and CacheTune's recompute-ratio cost model."""
+RoPE, and CacheTune's recompute-ratio cost model. The per-layer pipeline that loads lower
+tiers during the forward is ``sgl_pic.integration.layer_feed.LayerFeed``."""
 
 from sgl_pic.store.base import (
     ChunkKV,
@@ -41,7 +42,6 @@ from sgl_pic.store.loader import (
     SparseLoader,
     complement,
 )
-from sgl_pic.store.pipeline import PipelineConfig, PipelineTrace, TraceEvent, run_layer_pipeline
 from sgl_pic.store.tiered import DeviceTier, TieredStore, TieredStoreConfig
 
 __all__ = [
@@ -63,8 +63,6 @@ __all__ = [
     "LoadStats",
     "LoadedLayer",
     "LoaderConfig",
-    "PipelineConfig",
-    "PipelineTrace",
     "RecordShapeError",
     "SearchConfig",
     "SearchResult",
@@ -74,7 +72,6 @@ __all__ = [
     "TieredStore",
     "TieredStoreConfig",
     "TokenMismatchError",
-    "TraceEvent",
     "TruncatedRecordError",
     "UnsupportedFormatError",
     "WriteBack",
@@ -85,7 +82,6 @@ __all__ = [
     "golden_section",
     "make_store",
     "register_store",
-    "run_layer_pipeline",
     "store_names",
     "ttft",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -20,6 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 
+from sgl_pic.registry import STORES
 from sgl_pic.store.errors import RecordShapeError
 
 # Names used in file headers and configs; the store never guesses a dtype from bytes.
@@ -177,8 +178,9 @@ def normalize_indices(
 ) -> torch.Tensor:
     """# [n] int64 sorted unique indices in [0, num_tokens); all tokens when None."""
     if token_indices is None:
-        return torch.arange(num_tokens, dtype=torch.int64)
-    idx = torch.unique(torch.as_tensor(token_indices, dtype=torch.int64).flatten().cpu())
+        # Record rows are addressed on the host: records live in host memory or on disk.
+        return torch.arange(num_tokens, dtype=torch.int64, device="cpu")
+    idx = torch.unique(torch.as_tensor(token_indices, dtype=torch.int64, device="cpu").flatten())
     if idx.numel() and (idx[0] < 0 or idx[-1] >= num_tokens):
         raise RecordShapeError(f"token indices outside [0, {num_tokens})")
     return idx
@@ -277,31 +279,18 @@ class ChunkStore(ABC):
                 self.unlock(k)
 
 
-_REGISTRY: dict[str, Callable[..., ChunkStore]] = {}
-
-
 def register_store(cls: type[ChunkStore]) -> type[ChunkStore]:
-    """Class decorator: make ``cls`` constructible as ``make_store(cls.name, ...)``."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"store {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
+    """Class decorator: make ``cls`` constructible as ``make_store(cls.name, ...)``
+    (``sgl_pic.registry`` says how to plug in a store from outside this package)."""
+    return STORES.add(cls.name, cls)
 
 
 def store_names() -> tuple[str, ...]:
-    _load_builtin()
-    return tuple(sorted(_REGISTRY))
+    """Every registered store name, in registration order."""
+    return STORES.names()
 
 
 def make_store(name: str, *args: Any, **kwargs: Any) -> ChunkStore:
     """The store registered as ``name``, built with its own constructor arguments
     (each takes its frozen config first, then the model digest)."""
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown store {name!r}; valid stores: {', '.join(store_names())}")
-    return _REGISTRY[name](*args, **kwargs)
-
-
-def _load_builtin() -> None:
-    # Imported for their registration side effect; deferred to avoid an import cycle.
-    from sgl_pic.store import disk, host, tiered  # noqa: F401
+    return STORES.get(name)(*args, **kwargs)

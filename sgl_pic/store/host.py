@@ -91,7 +91,7 @@ class HostStore(BoundedStore):
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         # The store owns its bytes: a caller reusing its buffer cannot change a record.
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pin)
         out.copy_(t)
         return out
 

@@ -30,7 +30,7 @@ def complement(
 ) -> torch.Tensor:
     """# [num_tokens - k'] int64: the sorted tokens of [0, num_tokens) not in
     ``indices`` (k' = unique count)."""
-    keep = torch.ones(num_tokens, dtype=torch.bool)
+    keep = torch.ones(num_tokens, dtype=torch.bool, device="cpu")  # as normalize_indices
     keep[normalize_indices(indices, num_tokens)] = False
     return keep.nonzero().flatten()
 
@@ -188,8 +188,9 @@ class SparseLoader:
             k, v = torch.cat(ks), torch.cat(vs)
             positions = torch.cat(pos)
         else:
-            k = v = torch.empty(0)
-            positions = torch.empty(0, dtype=torch.int64)
+            k = v = torch.empty(0, device=self._device)
+            # Positions stay on the host, like the non-empty ones (record token indices).
+            positions = torch.empty(0, dtype=torch.int64, device="cpu")
         return FetchedLayer(layer, positions, k, v, moved, tuple(missing), dense)
 
     def rotate(self, fetched: FetchedLayer) -> LoadedLayer:

@@ -10,30 +10,42 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
+from sgl_pic.integration import layer_feed
 from sgl_pic.integration.kv_access import KVAccess
 from sgl_pic.integration.layer_feed import (
     CLOSE_WAIT_S,
     FEED_MODES,
+    CudaHandoff,
     FeedTimeout,
+    HostHandoff,
     LayerFeed,
     MissingChunkError,
 )
 from sgl_pic.integration.lower_tiers import LowerTiers
+from sgl_pic.integration.model_rope import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import apply_rope, default_inv_freq
 from sgl_pic.store.disk import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig
-from sgl_pic.store.loader import ChunkPlacement, FetchedLayer, LoaderConfig, SparseLoader
+from sgl_pic.store.loader import (
+    ChunkPlacement,
+    FetchedLayer,
+    LoadedLayer,
+    LoaderConfig,
+    SparseLoader,
+)
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.integration.fakes import SENTINEL, ChunkData, FakePool, chunk_data
 
 LAYERS, HEADS, DIM, SEG = 4, 2, 8, 4
 INV_FREQ = default_inv_freq(DIM, 10000.0)
+ROPE = ModelRope.plain(INV_FREQ, max_positions=64)
 FP = ModelFingerprint(model_id="test-model", dtype="float32", pre_rope=True)
 ROW_BYTES = HEADS * DIM * 4
 POOL = 64
@@ -70,9 +82,14 @@ class Setup:
         self.store.flush()
 
     def feed(
-        self, mode: str, pool: FakePool, depth: int = 2, loader: SparseLoader | None = None
+        self,
+        mode: str,
+        pool: FakePool,
+        depth: int = 2,
+        loader: SparseLoader | None = None,
+        kv: KVAccess | None = None,
     ) -> LayerFeed:
-        kv = KVAccess(pool, LAYERS, INV_FREQ)
+        kv = kv or KVAccess(pool, LAYERS, ROPE)
         return LayerFeed(
             loader or self.lower.loader,
             self.placements,
@@ -275,9 +292,7 @@ def test_everything_recomputed_writes_nothing(setup) -> None:
         for p in setup.placements
     ]
     pool = FakePool(POOL, LAYERS, HEADS, DIM)
-    feed = LayerFeed(
-        setup.lower.loader, full, setup.slots, KVAccess(pool, LAYERS, INV_FREQ), LAYERS
-    )
+    feed = LayerFeed(setup.lower.loader, full, setup.slots, KVAccess(pool, LAYERS, ROPE), LAYERS)
     feed.start()
     try:
         for layer in range(LAYERS):
@@ -294,7 +309,7 @@ def test_bad_arguments_are_refused(setup) -> None:
         setup.feed("cuda-stream", pool)
     with pytest.raises(ValueError, match="depth"):
         setup.feed("threaded", pool, depth=0)
-    kv = KVAccess(pool, LAYERS, INV_FREQ)
+    kv = KVAccess(pool, LAYERS, ROPE)
     with pytest.raises(ValueError, match="timeout_s"):
         LayerFeed(setup.lower.loader, setup.placements, setup.slots, kv, LAYERS, timeout_s=0)
 
@@ -317,7 +332,7 @@ class BlockingLoader(SparseLoader):
 
 def stuck_feed(s: Setup, pool: FakePool, timeout_s: float) -> tuple[LayerFeed, BlockingLoader]:
     loader = BlockingLoader(s.store, stuck_at=1)
-    kv = KVAccess(pool, LAYERS, INV_FREQ)
+    kv = KVAccess(pool, LAYERS, ROPE)
     return LayerFeed(loader, s.placements, s.slots, kv, LAYERS, timeout_s=timeout_s), loader
 
 
@@ -355,3 +370,162 @@ def test_a_stuck_read_raises_feed_timeout_and_the_worker_ends(setup, close_first
     later = pool.snapshot()
     assert all(torch.equal(a, b) for a, b in zip(later, after_timeout, strict=True))
     feed.close()
+
+
+class RecordingHandoff(HostHandoff):
+    """The CPU stand-in for ``CudaHandoff``: logs every step with its thread, so the
+    ordering the CUDA path relies on (issue and record on the worker, wait before the
+    pool write on the forward) is checked where no GPU is present."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, str]] = []
+        self._issuing = threading.local()
+
+    def _note(self, step: str, layer: int) -> None:
+        self.log.append((step, layer, threading.current_thread().name))
+
+    @contextmanager
+    def issuing(self) -> Iterator[None]:
+        self._issuing.on = True
+        try:
+            yield
+        finally:
+            self._issuing.on = False
+
+    def to_pool_device(self, fetched: FetchedLayer) -> FetchedLayer:
+        assert getattr(self._issuing, "on", False), "rows moved outside the side stream"
+        self._note("move", fetched.layer)
+        return fetched
+
+    def record(self, layer: int) -> None:
+        assert getattr(self._issuing, "on", False), "event recorded outside the side stream"
+        self._note("record", layer)
+
+    def wait(self, layer: int) -> None:
+        self._note("wait", layer)
+
+    def retire(self, loaded: LoadedLayer) -> None:
+        self._note("retire", loaded.layer)
+
+
+class LoggingKV(KVAccess):
+    def __init__(self, pool: FakePool, log: list[tuple[str, int, str]]) -> None:
+        super().__init__(pool, LAYERS, ROPE)
+        self.log = log
+
+    def write_layer(self, layer, slots, k, v) -> None:  # noqa: ANN001
+        self.log.append(("write", layer, threading.current_thread().name))
+        super().write_layer(layer, slots, k, v)
+
+
+def test_threaded_hands_over_each_layer_in_stream_order(setup, monkeypatch) -> None:
+    """Per layer: moved and recorded on the worker, inside the issuing context; waited on
+    by the forward before it writes the pool; retired after the write. The pool ends
+    as in the plain CPU run."""
+    handoff = RecordingHandoff()
+    devices: list[torch.device] = []
+
+    def fake_make(device: torch.device, num_layers: int) -> HostHandoff:
+        devices.append(device)
+        return handoff
+
+    monkeypatch.setattr(layer_feed, "make_handoff", fake_make)
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed = setup.feed("threaded", pool, kv=LoggingKV(pool, handoff.log))
+    assert devices == [torch.device("cpu")]
+    feed.start()
+    try:
+        for layer in range(LAYERS):
+            feed.before_layer(layer)
+    finally:
+        feed.close()
+    main = threading.current_thread().name
+    for layer in range(LAYERS):
+        steps = [(s, t) for s, lay, t in handoff.log if lay == layer]
+        assert steps == [
+            ("move", "sgl-pic-feed"),
+            ("record", "sgl-pic-feed"),
+            ("wait", main),
+            ("write", main),
+            ("retire", main),
+        ], steps
+    k, v = setup.expected_pool(LAYERS)
+    got_k, got_v = pool.snapshot()
+    torch.testing.assert_close(got_k, k, atol=1e-5, rtol=0)
+    assert torch.equal(got_v, v)
+
+
+def test_inorder_and_cpu_pools_need_no_handoff(setup) -> None:
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    for mode in FEED_MODES:
+        feed = setup.feed(mode, pool)
+        assert type(feed._handoff) is HostHandoff
+        feed.close()
+    assert type(layer_feed.make_handoff(torch.device("cpu"), LAYERS)) is HostHandoff
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False"
+)
+
+
+def cuda_pool() -> FakePool:
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    pool.k_buffer = [b.cuda() for b in pool.k_buffer]
+    pool.v_buffer = [b.cuda() for b in pool.v_buffer]
+    return pool
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", FEED_MODES)
+def test_cuda_pool_matches_the_cpu_result(setup, mode) -> None:
+    cpu = FakePool(POOL, LAYERS, HEADS, DIM)
+    run(setup, "inorder", cpu)
+    pool = cuda_pool()
+    feed = setup.feed(mode, pool)
+    assert isinstance(feed._handoff, CudaHandoff) == (mode == "threaded")
+    feed.start()
+    try:
+        for layer in range(LAYERS):
+            feed.before_layer(layer)
+    finally:
+        feed.close()
+    torch.cuda.current_stream().synchronize()
+    (k, v), (want_k, want_v) = pool.snapshot(), cpu.snapshot()
+    torch.testing.assert_close(k.cpu(), want_k, atol=1e-5, rtol=0)
+    assert torch.equal(v.cpu(), want_v)
+
+
+class SlowStreamLoader(SparseLoader):
+    """Puts a long device-side sleep on the current (side) stream before each fetch: the
+    copies land late on the device although the worker issues them at once."""
+
+    def fetch_layer(self, chunks, layer: int) -> FetchedLayer:  # noqa: ANN001
+        torch.cuda._sleep(300_000_000 if layer == LAYERS - 1 else 20_000_000)
+        return super().fetch_layer(chunks, layer)
+
+
+@needs_cuda
+def test_cuda_forward_waits_on_events_not_on_the_host(setup) -> None:
+    """before_layer returns while the last layer's copy is still queued behind the
+    sleep (no host sync), yet the rows the forward stream writes are the loaded ones
+    (its stream waited for the side stream's event)."""
+    cpu = FakePool(POOL, LAYERS, HEADS, DIM)
+    run(setup, "inorder", cpu)
+    pool = cuda_pool()
+    loader = SlowStreamLoader(setup.store, INV_FREQ, LoaderConfig())
+    feed = setup.feed("threaded", pool, loader=loader)
+    feed.start()
+    try:
+        for layer in range(LAYERS):
+            feed.before_layer(layer)
+        handoff = feed._handoff
+        assert isinstance(handoff, CudaHandoff)
+        assert not handoff.events[LAYERS - 1].query(), "before_layer synchronized the host"
+        assert handoff.stream != torch.cuda.current_stream()
+    finally:
+        feed.close()
+    torch.cuda.current_stream().synchronize()
+    (k, v), (want_k, want_v) = pool.snapshot(), cpu.snapshot()
+    torch.testing.assert_close(k.cpu(), want_k, atol=1e-5, rtol=0)
+    assert torch.equal(v.cpu(), want_v)

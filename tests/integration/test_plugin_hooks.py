@@ -47,8 +47,19 @@ class FakeExecutor:
 def executor(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeExecutor]:
     ex = FakeExecutor(FeedTimeout("layer 3 not loaded in 0.1 s"))
     monkeypatch.setattr(plugin, "_executor", ex)
-    monkeypatch.setattr(plugin, "_req_to_token", torch.zeros(1, 1))
+    monkeypatch.setattr(plugin, "_phases", FakePhases())
     yield ex
+
+
+class FakePhases:
+    """The phase runner as ``_on_extend`` sees it: no phase batch running."""
+
+    def __init__(self) -> None:
+        self.batch = None
+        self.before_layer = [print]
+        self.after_layer = [print]
+        self.planned: list[Any] = []
+        self.backend = SimpleNamespace(init_forward_metadata=self.planned.append)
 
 
 def forward_batch() -> Any:
@@ -59,17 +70,23 @@ def forward_batch() -> Any:
 
 
 def test_a_stalled_feed_runs_the_batch_as_sglang_would(executor: FakeExecutor) -> None:
-    calls = []
+    fb = forward_batch()
+    out = plugin._on_extend(None, torch.tensor([1, 2]), torch.tensor([0, 1]), fb)
+    # None: the stack runs the live batch itself, with the backend planned for it again
+    # and no phase callbacks left behind.
+    assert out is None and executor.metrics.failures.n == 1
+    phases = plugin._phases
+    assert phases.planned == [fb] and phases.before_layer == [] == phases.after_layer
 
-    def original(model: Any, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(ids)
-        return torch.zeros(2, 4)
 
-    out = plugin._model_forward_hook(
-        original, None, torch.tensor([1, 2]), torch.tensor([0, 1]), forward_batch()
-    )
-    assert torch.equal(out, torch.zeros(2, 4)) and len(calls) == 1
-    assert executor.metrics.failures.n == 1
+def test_extend_batches_reach_the_executor_unless_a_phase_runs(
+    executor: FakeExecutor,
+) -> None:
+    executor.error = None
+    out = plugin._on_extend(None, torch.tensor([1, 2]), torch.tensor([0, 1]), forward_batch())
+    assert out is not None and torch.equal(out, torch.ones(2, 4))
+    plugin._phases.batch = object()  # a phase forward re-enters the stack: never nested
+    assert plugin._on_extend(None, torch.tensor([1]), torch.tensor([0]), forward_batch()) is None
 
 
 def req(rid: str, ids: list[int], pending: Pending | None) -> Any:

@@ -1,20 +1,50 @@
 import pytest
 import torch
 
-from sgl_pic.config import POLICY_NAMES, PicConfig
+from sgl_pic.config import POLICY_FIELDS, PicConfig
 from sgl_pic.layout import PromptLayout
-from sgl_pic.selection import SelectionContext, finalize, make_policy, policy_names
+from sgl_pic.registry import POLICIES
+from sgl_pic.selection import (
+    SelectionContext,
+    SelectionPolicy,
+    finalize,
+    make_policy,
+    policy_names,
+    register_policy,
+)
+
+POLICY_NAMES = POLICIES.names()
 
 
-def test_policy_names_are_the_configured_ones() -> None:
-    assert policy_names() == tuple(sorted(POLICY_NAMES))
+def test_policy_names_come_from_the_registry() -> None:
+    assert policy_names() == POLICY_NAMES
+    assert "daric" in POLICY_NAMES and "cachetune" in POLICY_NAMES
+    # approximation_key reads each policy's settings from POLICY_FIELDS.
+    assert set(POLICY_FIELDS) == set(POLICY_NAMES)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_name_resolves_to_the_class_of_that_name(name: str) -> None:
+    cls = POLICIES.get(name)
+    assert issubclass(cls, SelectionPolicy) and cls.name == name
+    assert register_policy(cls) is cls  # its own decorator again: not a duplicate
+
+
+def test_a_second_policy_under_a_builtin_name_is_refused() -> None:
+    class Impostor(SelectionPolicy):
+        name = "daric"
+
+    with pytest.raises(ValueError, match="policy 'daric' is already registered"):
+        register_policy(Impostor)
+    assert POLICIES.get("daric").__name__ == "Daric"
 
 
 def test_unknown_policy_names_every_valid_choice() -> None:
-    with pytest.raises(ValueError, match="unknown policy 'nope'") as err:
-        make_policy(PicConfig(), "nope")
-    for name in POLICY_NAMES:
-        assert name in str(err.value)
+    for fails in (lambda: make_policy(PicConfig(), "nope"), lambda: PicConfig(policy="nope")):
+        with pytest.raises(ValueError, match="unknown policy 'nope'; valid policies: ") as err:
+            fails()
+        for name in POLICY_NAMES:
+            assert name in str(err.value)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

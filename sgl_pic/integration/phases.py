@@ -1,0 +1,206 @@
+"""Phase forwards as SGLang-native extend batches.
+
+Every forward the chunk path runs is described as ordinary extend sub-requests, each a
+row of SGLang's ``req_to_token`` with a prefix and an extend length:
+
+- a missing chunk (phase 1) is a sub-request from position 0 over its own slots, on a
+  scratch row that holds just those slots;
+- a contiguous run of selected tokens (phase 2) is a sub-request whose prefix is its
+  request's own row up to the run's start; several runs share one row;
+- a plain request of the batch is itself.
+
+The batch is built from the live ``ForwardBatch`` (``dataclasses.replace``), given its own
+KV-location plan by SGLang's translator, planned by the selected attention backend's
+``init_forward_metadata``, and run through the model's decoder stack. FlashInfer, FA3,
+triton and torch_native attend it with their own kernels: within a layer SGLang writes all
+new K/V before it attends, so a run sees the fresh K/V of earlier runs of its request and
+the reused KV elsewhere, which is exactly the two-phase semantics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+
+class SubRequest(NamedTuple):
+    """Queries at positions prefix..prefix+extend-1 of ``req_to_token[pool_idx]``; keys
+    are that row's first prefix+extend slots, and the queries' K/V go to the row's slots
+    prefix..prefix+extend-1."""
+
+    pool_idx: int
+    prefix: int
+    extend: int
+
+
+class PhaseBatch(NamedTuple):
+    """What the attention backend is given for one phase forward (checked by tests)."""
+
+    forward_batch: Any  # sglang ForwardBatch
+    subrequests: tuple[SubRequest, ...]
+
+
+def runs_of(positions: torch.Tensor, merge_gap: int = 0) -> list[tuple[int, int]]:
+    """Half-open runs [start, end) covering the sorted distinct ``positions`` (# [k]);
+    runs separated by at most ``merge_gap`` unselected tokens become one (those tokens
+    are then recomputed too, which only brings the result closer to exact)."""
+    if positions.numel() == 0:
+        return []
+    pos = positions.tolist()
+    runs = [[pos[0], pos[0] + 1]]
+    for p in pos[1:]:
+        if p - runs[-1][1] <= merge_gap:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return [(a, b) for a, b in runs]
+
+
+def build_phase_batch(
+    live: Any,  # the ForwardBatch SGLang built for this iteration
+    subrequests: Sequence[SubRequest],
+    input_ids: torch.Tensor,  # [sum extend] token ids, sub-request by sub-request
+    req_to_token: torch.Tensor,  # [max_reqs, max_len] SGLang's request-to-slot table
+    translator: Any | None,  # model_runner.kv_index_translator, or None (tests)
+) -> PhaseBatch:
+    """A new ForwardBatch (the live one is not changed) for ``subrequests``."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    device = live.input_ids.device
+    subs = tuple(subrequests)
+    prefix = [s.prefix for s in subs]
+    ext = [s.extend for s in subs]
+    seq = [p + e for p, e in zip(prefix, ext, strict=True)]
+    if input_ids.numel() != sum(ext):
+        raise ValueError(f"{input_ids.numel()} input ids for {sum(ext)} extend tokens")
+    pos = torch.cat(
+        [
+            torch.arange(p, p + e, device=device, dtype=torch.int64)
+            for p, e in zip(prefix, ext, strict=True)
+        ]
+    )
+    out_loc = torch.cat([req_to_token[s.pool_idx, s.prefix : s.prefix + s.extend] for s in subs])
+    pool_idx = [s.pool_idx for s in subs]
+    ext_t = torch.tensor(ext, dtype=torch.int32, device=device)
+    start_loc = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
+    seq_dtype = live.seq_lens.dtype
+    fb = dataclasses.replace(
+        live,
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(subs),
+        input_ids=input_ids.to(device=device, dtype=live.input_ids.dtype),
+        req_pool_indices=torch.tensor(pool_idx, dtype=live.req_pool_indices.dtype, device=device),
+        req_pool_indices_cpu=torch.tensor(pool_idx, dtype=torch.int64),  # host: SGLang's own
+        seq_lens=torch.tensor(seq, dtype=seq_dtype, device=device),
+        seq_lens_cpu=torch.tensor(seq, dtype=seq_dtype),  # host: SGLang keeps it on the host
+        orig_seq_lens=torch.tensor(seq, dtype=seq_dtype, device=device),
+        seq_lens_sum=sum(seq),
+        out_cache_loc=out_loc.to(device=device, dtype=live.out_cache_loc.dtype),
+        origin_out_cache_loc=None,
+        out_cache_loc_virtual=None,
+        kv_loc_plan=None,
+        kv_loc_cols=None,
+        positions=pos,
+        extend_num_tokens=sum(ext),
+        extend_seq_lens=ext_t,
+        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=device),
+        extend_start_loc=start_loc,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=ext,
+        extend_logprob_start_lens_cpu=ext,
+        extend_input_logprob_token_ids_gpu=None,
+        return_logprob=False,
+        top_logprobs_nums=None,
+        token_ids_logprobs=None,
+        lora_ids=None,
+        rids=None,
+        mrope_positions=None,
+        input_embeds=None,
+        forward_metadata_ready=False,
+        forward_metadata_planned_bs=None,
+        forward_metadata_planned_num_tokens=None,
+        token_indices_to_pool=None,
+        is_extend_in_batch=True,
+        next_token_logits_buffer=None,
+    )
+    if translator is not None:
+        translator.own_plan(fb).bind(fb, translator)
+    if getattr(live, "global_num_token_non_padded", None) is not None:
+        # Set by SGLang only where token padding is masked (MoE all-to-all): recount.
+        fb._init_num_token_non_padded(device=device, is_draft_worker=False)
+    return PhaseBatch(fb, subs)
+
+
+class PhaseRunner:
+    """Runs phase batches through SGLang: the backend plans each one, then the model's
+    decoder stack runs it. ``stack(ids, positions, forward_batch)`` is the decoder stack's
+    original forward; ``backend`` the model runner's attention backend.
+
+    ``batch`` is the phase batch being forwarded (None between forwards): the attention
+    and layer hooks act only on it, so SGLang's own forwards never see phase state."""
+
+    def __init__(
+        self,
+        backend: Any,
+        req_to_token: torch.Tensor,  # [max_reqs, max_len]
+        translator: Any | None,
+        req_pool: Any | None,  # SGLang's ReqToTokenPool, for phase 1's scratch rows
+    ) -> None:
+        self.backend = backend
+        self.req_to_token = req_to_token
+        self.translator = translator
+        self.req_pool = req_pool
+        self.batch: Any | None = None
+        self.before_layer: list[Callable[[int], None]] = []
+        self.after_layer: list[Callable[[int], None]] = []
+
+    def prepare(
+        self, live: Any, subrequests: Sequence[SubRequest], input_ids: torch.Tensor
+    ) -> PhaseBatch:
+        """The phase batch of ``subrequests`` (# [sum extend] ``input_ids``), planned by
+        the attention backend: after this the backend's metadata describes it."""
+        phase = build_phase_batch(live, subrequests, input_ids, self.req_to_token, self.translator)
+        self.backend.init_forward_metadata(phase.forward_batch)
+        return phase
+
+    def run(
+        self,
+        stack: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
+        phase: PhaseBatch,
+    ) -> torch.Tensor:
+        """# [sum extend, hidden] the decoder stack's output over ``phase``."""
+        fb = phase.forward_batch
+        self.batch = fb
+        try:
+            return stack(fb.input_ids, fb.positions, fb)
+        finally:
+            self.batch = None
+
+    def scratch_rows(self, n: int) -> list[int] | None:
+        """``n`` free rows of SGLang's request table for phase 1 (None when fewer are
+        free); given back by ``free_rows`` before the forward returns."""
+        if self.req_pool is None:
+            return None
+        return self.req_pool.alloc_rows(n)
+
+    def free_rows(self, rows: list[int]) -> None:
+        if not rows or self.req_pool is None:
+            return
+        if self.req_to_token.is_cuda:
+            # The next batch may take these rows and rewrite them: the kernels that read
+            # them must have run first.
+            torch.cuda.current_stream(self.req_to_token.device).synchronize()
+        self.req_pool.free_rows(rows)
+
+    def layer_start(self, layer: int) -> None:
+        """Called by the decoder-layer pre-hook during a phase forward."""
+        for fn in self.before_layer:
+            fn(layer)
+
+    def layer_end(self, layer: int) -> None:
+        """Called by the decoder-layer post-hook during a phase forward."""
+        for fn in self.after_layer:
+            fn(layer)

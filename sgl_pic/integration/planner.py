@@ -1,0 +1,189 @@
+"""The chunk path's plan for one request, without SGLang or a KV pool.
+
+Planning is host-side bookkeeping, like SGLang's own ``*_cpu`` lists: which chunks are
+device prefix, hits (and from which tier) or misses; the DARIC hit classification
+(contiguous vs disjoint, L_hit); the policy's selection refined by the device prefix
+(DARIC Proposition 1); the runs phase 2 executes. Everything here is pure given the
+lookup results, so it is unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration.gate import Pending
+from sgl_pic.integration.metrics import RequestStats
+from sgl_pic.layout import PromptLayout
+from sgl_pic.selection import SelectionContext, finalize, make_policy
+
+TIERS = ("device", "host", "disk")
+
+
+@dataclass
+class RequestPlan:
+    """One chunked request of the batch, filled in as the forward goes."""
+
+    row_offset: int  # first row of its extend tokens in the live batch
+    pool_idx: int  # its row of SGLang's req_to_token
+    prefix: int  # device prefix length P
+    pending: Pending
+    config: PicConfig
+    forced: torch.Tensor | None = None  # [f] positions recomputed whatever the policy says
+    selected: torch.Tensor | None = None  # [k] positions phase 2 recomputes
+    stats: RequestStats | None = None
+    rankings: list[torch.Tensor | None] = field(default_factory=list)  # per chunk
+    hit_spans: list[tuple[int, int]] = field(default_factory=list)  # chunks reused
+    misses: list[tuple[int, int]] = field(default_factory=list)  # chunks for phase 1
+    lower: list[tuple[int, int, Any]] = field(default_factory=list)  # host/disk hits
+    locked_nodes: list[Any] = field(default_factory=list)
+    locked_keys: list[str] = field(default_factory=list)  # lower-tier records in use
+    tiers: set[str] = field(default_factory=set)  # tiers the reused chunks came from
+    runs: int = 0  # contiguous runs phase 2 executes as sub-requests
+
+    @property
+    def layout(self) -> PromptLayout:
+        return self.pending.request.layout
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.pending.token_ids)
+
+
+class ChunkLookup(NamedTuple):
+    """Where chunk [start, end) is reused from: a tier name, or None on a miss, plus its
+    stored ranking (# [end - start], None when the store has none)."""
+
+    tier: str | None
+    ranking: torch.Tensor | None
+
+
+def classify(plan: RequestPlan, lookup: Callable[[int, int], ChunkLookup]) -> None:
+    """Fills the plan's rankings, hits, misses, forced positions and stats. ``lookup`` is
+    called once per chunk past the device prefix, in prompt order."""
+    layout = plan.layout
+    device = contiguous = disjoint = reused = 0
+    by_tier = dict.fromkeys(TIERS, 0)
+    forced: list[torch.Tensor] = []
+    seen_miss = False
+    for span in layout.chunks:
+        if span.end <= plan.prefix:
+            device += 1
+            # Never recomputed (finalize drops the device prefix), so its ranking cannot
+            # matter; a flat one keeps ranking policies total.
+            plan.rankings.append(torch.zeros(span.length))  # host: planning
+            continue
+        if span.start < plan.prefix:
+            # Part exact device prefix, part new: the new part has no independent KV to
+            # borrow (its slots' neighbours are shared), so it is always recomputed.
+            forced.append(torch.arange(plan.prefix, span.end))  # host: planning
+            seen_miss = True
+            plan.rankings.append(torch.zeros(span.length))  # host: planning
+            continue
+        hit = lookup(span.start, span.end)
+        plan.rankings.append(hit.ranking)
+        if hit.tier is None:
+            plan.misses.append((span.start, span.end))
+            seen_miss = True
+            continue
+        by_tier[hit.tier] += 1
+        plan.tiers.add(hit.tier)
+        plan.hit_spans.append((span.start, span.end))
+        reused += span.length
+        if seen_miss:
+            disjoint += 1
+        else:
+            contiguous += 1
+    l_cont = contiguous_hit_length(plan.prefix, plan.hit_spans)
+    plan.stats = RequestStats(
+        chunks=len(layout.chunks),
+        device_prefix_chunks=device,
+        contiguous_hits=contiguous,
+        disjoint_hits=disjoint,
+        misses=0,
+        reused_tokens=reused,
+        recomputed_tokens=0,
+        new_tokens=plan.num_tokens - plan.prefix,
+        selection_seconds=0.0,
+        device_hits=by_tier["device"],
+        host_hits=by_tier["host"],
+        disk_hits=by_tier["disk"],
+        prefix_hit_tokens=max(plan.prefix, l_cont),
+    )
+    none = torch.empty(0, dtype=torch.int64)  # host: planning
+    plan.forced = torch.cat(forced) if forced else none
+
+
+def select(
+    plan: RequestPlan,
+    deviation: Callable[[], torch.Tensor],
+    ratios: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """Global positions phase 2 recomputes (# [k] int64, sorted, all >= prefix): the
+    policy's choice, finalised (fresh tokens, the last token), plus the forced ones.
+    ``deviation()`` is CacheBlend's online pass; only policies that need it call it."""
+    t0 = time.perf_counter()
+    plan.config = calibrated(plan, ratios)
+    policy = make_policy(plan.config)
+    ctx = SelectionContext(plan.layout, tuple(plan.rankings), deviation, plan.prefix)
+    chosen = finalize(policy.select(ctx), plan.layout, plan.prefix).indices
+    assert plan.forced is not None and plan.stats is not None
+    sel = torch.unique(torch.cat([chosen, plan.forced]))
+    sel = sel[sel >= plan.prefix]
+    plan.selected = sel
+    plan.stats = plan.stats._replace(
+        recomputed_tokens=int(sel.numel()),
+        reused_tokens=plan.stats.reused_tokens - count_in(sel, plan.hit_spans),
+        selection_seconds=time.perf_counter() - t0,
+    )
+    return sel
+
+
+def calibrated(plan: RequestPlan, ratios: dict[str, float] | None) -> PicConfig:
+    """The request's config with CacheTune's r set to the calibrated r of the slowest
+    tier it reuses from, unless calibration is off or the request chose its own r."""
+    if (
+        ratios is None
+        or plan.config.policy != "cachetune"
+        or "cachetune_r" in plan.pending.request.overrides
+    ):
+        return plan.config
+    tier = next((t for t in ("disk", "host", "device") if t in plan.tiers), None)
+    if tier is None or tier not in ratios:
+        return plan.config
+    return plan.config.with_overrides(cachetune_r=ratios[tier])
+
+
+def wants_input_logprobs(fb: Any, b: int) -> bool:
+    """Whether request ``b`` of the live batch needs logits of input rows other than its
+    last one (rows the chunk path does not compute)."""
+    if not getattr(fb, "return_logprob", False):
+        return False
+    starts = getattr(fb, "extend_logprob_start_lens_cpu", None)
+    if starts is None:
+        return True
+    return int(starts[b]) < int(fb.extend_seq_lens_cpu[b]) - 1
+
+
+def contiguous_hit_length(prefix: int, hits: list[tuple[int, int]]) -> int:
+    """DARIC's L_cont: how far from position 0 the prompt is covered by the device prefix
+    and reused chunks without a gap (fresh text or a missed chunk ends it)."""
+    end = prefix
+    for start, stop in sorted(hits):
+        if start > end:
+            break
+        end = max(end, stop)
+    return end if end > prefix else 0
+
+
+def count_in(sel: torch.Tensor, spans: list[tuple[int, int]]) -> int:
+    """How many of the positions ``sel`` (# [k]) lie in the half-open ``spans``."""
+    inside = torch.zeros_like(sel, dtype=torch.bool)
+    for start, end in spans:
+        inside |= (sel >= start) & (sel < end)
+    return int(inside.sum())

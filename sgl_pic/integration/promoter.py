@@ -1,0 +1,101 @@
+"""Promotion of host/disk chunks into chunk nodes after a request used them.
+
+The full read and rotation of a promoted chunk run on one worker thread, off the
+request's path; the nodes are filled on the scheduler's thread (``finish_ready`` at the
+start of the next batch, or ``finish`` when a request needs the chunk before that), since
+only that thread may touch SGLang's allocator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from sgl_pic.integration.metrics import PicMetrics
+
+logger = logging.getLogger(__name__)
+
+# Lower-tier chunks being promoted at once; more are dropped (counted): a promotion only
+# saves a later load, and an unbounded backlog would hold host memory.
+MAX_PROMOTIONS = 32
+
+ChunkIds = tuple[int, ...]
+
+
+class Promoter:
+    """nodes: the chunk node table (``match``, ``generation``, ``capacity_tokens``).
+    load_full(hit, chunk_ids): the chunk's whole KV # [L, 2, n, H, D], keys at 0..n-1, or
+    None when its records are gone (run on the worker).
+    store(chunk_ids, kv, ranking): fills chunk nodes (run on the scheduler's thread)."""
+
+    def __init__(
+        self,
+        nodes: Any,
+        load_full: Callable[[Any, ChunkIds], torch.Tensor | None],
+        store: Callable[[ChunkIds, torch.Tensor, torch.Tensor | None], None],
+        metrics: PicMetrics,
+    ) -> None:
+        self.nodes = nodes
+        self.load_full = load_full
+        self.store = store
+        self.metrics = metrics
+        self._pool: ThreadPoolExecutor | None = None
+        # chunk token ids -> (full load, its ranking, the table's generation at submit)
+        self._jobs: dict[ChunkIds, tuple[Future[torch.Tensor | None], Any, int]] = {}
+
+    def __contains__(self, chunk_ids: ChunkIds) -> bool:
+        return chunk_ids in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, hit: Any, chunk_ids: ChunkIds, ranking: torch.Tensor | None) -> None:
+        """Starts loading one chunk for promotion, unless it is under way, already a node,
+        or the queue is full (counted as a drop)."""
+        if self.nodes.capacity_tokens == 0 or chunk_ids in self._jobs:
+            return
+        if self.nodes.match(chunk_ids) is not None:
+            return
+        if len(self._jobs) >= MAX_PROMOTIONS:
+            self.metrics.queue_drops.labels(queue="promotion").inc()
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-pic-promote")
+        job = self._pool.submit(self.load_full, hit, chunk_ids)
+        self._jobs[chunk_ids] = (job, ranking, self.nodes.generation)
+
+    def finish_ready(self) -> None:
+        """Fills chunk nodes with every promotion whose load has completed."""
+        for chunk_ids, (job, _, _) in list(self._jobs.items()):
+            if job.done():
+                self.finish(chunk_ids)
+
+    def finish(self, chunk_ids: ChunkIds) -> None:
+        """Waits for one promotion's load and fills its chunk nodes (unless a flush came
+        in between, or the load found the records gone)."""
+        job, ranking, generation = self._jobs.pop(chunk_ids)
+        if generation != self.nodes.generation:
+            # Begun before a flush, which dropped the chunk nodes: never waited for.
+            job.cancel()
+            return
+        try:
+            kv = job.result()
+        except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
+            logger.exception("sgl_pic: promotion of a stored chunk failed")
+            return
+        if kv is not None and self.nodes.match(chunk_ids) is None:
+            self.store(chunk_ids, kv, ranking)
+            self.metrics.promotions.inc()
+
+    def close(self) -> None:
+        """Drops queued promotions and joins the worker (shutdown)."""
+        for job, _, _ in self._jobs.values():
+            job.cancel()
+        self._jobs.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

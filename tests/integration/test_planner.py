@@ -1,0 +1,103 @@
+"""The planner without a server: hit classification, which r a cachetune request runs at,
+L_cont, the merged selection and the runs phase 2 executes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration import planner
+from sgl_pic.integration.gate import Pending
+from sgl_pic.integration.phases import runs_of
+from sgl_pic.integration.planner import ChunkLookup, RequestPlan
+from sgl_pic.integration.spans import PicRequest
+from sgl_pic.layout import PromptLayout
+
+RATIOS = {"device": 0.15, "host": 0.2, "disk": 0.35}
+
+
+def _plan(
+    tiers: set[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    policy: str = "cachetune",
+    spans: list[list[int]] | None = None,
+    n: int = 10,
+    prefix: int = 0,
+) -> RequestPlan:
+    layout = PromptLayout.from_spans(n, spans or [[0, 4], [4, 8]])
+    request = PicRequest(layout, overrides or {})
+    config = PicConfig(policy=policy).with_overrides(**(overrides or {}))
+    plan = RequestPlan(0, 1, prefix, Pending(request, tuple(range(n))), config)
+    plan.tiers = set(tiers or ())
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("tiers", "expected"),
+    [({"device"}, 0.15), ({"device", "host"}, 0.2), ({"host", "disk"}, 0.35), (set(), 0.15)],
+)
+def test_slowest_tier_sets_r(tiers: set[str], expected: float) -> None:
+    # No tier (every chunk missed): the configured r (0.15 by default) stays.
+    assert planner.calibrated(_plan(tiers), RATIOS).cachetune_r == expected
+
+
+def test_request_r_calibration_off_and_other_policies_are_left_alone() -> None:
+    pinned = _plan({"disk"}, {"cachetune_r": 0.5})
+    assert planner.calibrated(pinned, RATIOS).cachetune_r == 0.5
+    assert planner.calibrated(_plan({"disk"}), None).cachetune_r == 0.15
+    daric = _plan({"disk"}, policy="daric")
+    assert planner.calibrated(daric, RATIOS) is daric.config
+
+
+def test_contiguous_hit_length() -> None:
+    assert planner.contiguous_hit_length(0, [(0, 10), (10, 20), (22, 30)]) == 20  # gap at 20
+    assert planner.contiguous_hit_length(0, [(10, 20)]) == 0  # first chunk missed
+    assert planner.contiguous_hit_length(10, [(10, 20)]) == 20  # continues the prefix
+    assert planner.contiguous_hit_length(5, []) == 0
+
+
+def test_classify_splits_prefix_hits_and_misses() -> None:
+    # Chunks [0,4) [4,8) [8,12) [14,18); device prefix 6 cuts the second chunk.
+    plan = _plan(spans=[[0, 4], [4, 8], [8, 12], [14, 18]], n=20, prefix=6)
+    seen: list[tuple[int, int]] = []
+    answers = {(8, 12): ChunkLookup(None, None), (14, 18): ChunkLookup("host", torch.ones(4))}
+
+    def lookup(start: int, end: int) -> ChunkLookup:
+        seen.append((start, end))
+        return answers[(start, end)]
+
+    planner.classify(plan, lookup)
+    assert seen == [(8, 12), (14, 18)]  # prefix chunks are never looked up
+    assert plan.misses == [(8, 12)] and plan.hit_spans == [(14, 18)]
+    assert plan.forced is not None and plan.forced.tolist() == [6, 7]  # the cut chunk's tail
+    assert plan.tiers == {"host"} and len(plan.rankings) == 4
+    s = plan.stats
+    assert s is not None
+    assert (s.device_prefix_chunks, s.contiguous_hits, s.disjoint_hits) == (1, 0, 1)
+    assert (s.host_hits, s.reused_tokens, s.new_tokens, s.prefix_hit_tokens) == (1, 4, 14, 6)
+
+
+def test_select_refines_by_prefix_and_counts_reuse() -> None:
+    plan = _plan(spans=[[0, 8], [8, 16]], n=20, prefix=4, policy="epic", overrides={"epic_k": 2})
+    planner.classify(plan, lambda s, e: ChunkLookup("device", None))
+    sel = planner.select(plan, lambda: torch.zeros(20))
+    # EPIC: first 2 of each chunk (0, 1 dropped as device prefix; the first chunk's tail
+    # 4..7 is forced), then fresh 16..19 (including the last token).
+    assert sel.tolist() == [4, 5, 6, 7, 8, 9, 16, 17, 18, 19]
+    assert plan.selected is sel
+    assert plan.stats is not None and plan.stats.recomputed_tokens == 10
+    assert plan.stats.reused_tokens == 8 - 2  # the second chunk's 8 minus its 2 recomputed
+
+
+def test_runs_of_and_merging() -> None:
+    sel = torch.tensor([3, 4, 5, 9, 11, 12, 20])
+    assert runs_of(sel) == [(3, 6), (9, 10), (11, 13), (20, 21)]
+    assert runs_of(sel, merge_gap=1) == [(3, 6), (9, 13), (20, 21)]
+    assert runs_of(sel, merge_gap=8) == [(3, 21)]
+    assert runs_of(torch.empty(0, dtype=torch.int64)) == []
+    # Runs cover exactly the positions when nothing is merged.
+    covered = torch.cat([torch.arange(a, b) for a, b in runs_of(sel)])
+    assert covered.tolist() == sel.tolist()
