@@ -54,7 +54,14 @@ def main() -> None:
     ap.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
     ap.add_argument("--passage-tokens", type=int, default=280, help="truncate passages (0: no)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
+    ap.add_argument(
+        "--baseline",
+        default=str(Path(__file__).parent / "results" / "serve.json"),
+        help="an earlier serve.json to compare mean TTFTs with (read before --out is written)",
+    )
     args = ap.parse_args()
+    baseline = _load(args.baseline)
+    commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
 
     from transformers import AutoTokenizer
 
@@ -70,6 +77,7 @@ def main() -> None:
     sampling = {"temperature": 0, "max_new_tokens": 1}
     ttft: dict[str, list[float]] = {"full_prefill": [], **{p: [] for p in POLICIES}}
     per_policy: dict[str, dict[str, float]] = {}
+    records: list[dict[str, Any]] = []
     lengths = []
     check: dict[str, Any] = {
         "chunked_requests": 0,
@@ -119,6 +127,18 @@ def main() -> None:
                 dt, resp = client.generate(req)
                 d = delta(before, client.metrics())
                 ttft[policy].append(dt)
+                records.append(
+                    {
+                        "example": i,
+                        "policy": policy,
+                        "prompt_tokens": len(ids),
+                        "ttft_s": dt,
+                        "full_prefill_ttft_s": ttft["full_prefill"][-1],
+                        "speedup": ttft["full_prefill"][-1] / dt,
+                        "recomputed_tokens": int(metric(d, "sgl_pic_recomputed_tokens_total")),
+                        "phase2_runs": int(metric(d, "sgl_pic_phase2_runs_total")),
+                    }
+                )
                 acc = per_policy.setdefault(policy, {})
                 for k, v in d.items():
                     acc[k] = acc.get(k, 0.0) + v
@@ -161,15 +181,28 @@ def main() -> None:
 
     base = statistics.mean(ttft["full_prefill"])
     report: dict[str, Any] = {
+        "git_commit": commit,
+        "git_dirty": dirty,
         "examples": len(examples),
         "passages": args.passages,
         "passage_tokens": args.passage_tokens,
         "mean_prompt_tokens": statistics.mean(lengths),
         "ttft_mean_s": {k: statistics.mean(v) for k, v in ttft.items()},
         "speedup_vs_full_prefill": {p: base / statistics.mean(ttft[p]) for p in POLICIES},
+        # Paired per request: each example's full prefill over its own policy request.
+        "speedup_paired_median": {
+            p: statistics.median(r["speedup"] for r in records if r["policy"] == p)
+            for p in POLICIES
+        },
+        "phase2_runs_mean": {
+            p: statistics.mean(r["phase2_runs"] for r in records if r["policy"] == p)
+            for p in POLICIES
+        },
         "hit_rate": {},
         "recomputed_fraction": {},
         "tier_check": check,
+        "baseline": _compare(baseline, {k: statistics.mean(v) for k, v in ttft.items()}),
+        "requests": records,
     }
     for p, m in per_policy.items():
         lookups = m.get("sgl_pic_chunk_lookups_total", 0.0)
@@ -189,6 +222,38 @@ def main() -> None:
             f"tier check failed: chunked measurements not all served from the device tier "
             f"({len(check['failed_requests'])} request(s); see tier_check in {args.out})"
         )
+
+
+def _git(*args: str) -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _compare(baseline: dict[str, Any] | None, ttft: dict[str, float]) -> dict[str, Any] | None:
+    """Mean TTFT of this run over the baseline's (> 1: slower now), per measurement. Runs
+    on a shared machine differ by load, so the in-run paired ratios are the measure; this
+    only says whether the absolute times moved."""
+    if baseline is None:
+        return None
+    old = baseline.get("ttft_mean_s", {})
+    return {
+        "git_commit": baseline.get("git_commit"),
+        "ttft_ratio_now_over_baseline": {k: v / old[k] for k, v in ttft.items() if old.get(k)},
+        "speedup_vs_full_prefill": baseline.get("speedup_vs_full_prefill"),
+    }
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
