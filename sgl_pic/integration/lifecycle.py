@@ -78,6 +78,9 @@ class ShutdownHook:
         self._draining = False
         self._main_ident: int | None = None
         self._atexit = False
+        # Called first, before the tiers stop (e.g. the executor's promoter, which reads
+        # from them): each must return quickly and may raise (logged, then skipped).
+        self.before: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ the work
     def run(self, reason: str) -> ShutdownReport:
@@ -88,6 +91,11 @@ class ShutdownHook:
         with self._lock:
             if self.report is not None:
                 return self.report
+            for stop in self.before:
+                try:
+                    stop()
+                except Exception:  # noqa: BLE001 - the tiers must still be stopped
+                    logger.exception("sgl_pic shutdown: a pre-shutdown step failed")
             report = self.lower.shutdown(self.timeout_s, self._hurry)
             self.report = report
             dropped = report.dropped + report.failed

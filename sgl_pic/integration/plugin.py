@@ -99,14 +99,16 @@ def build_tree_cache(ctx: Any) -> Any:
     num_layers = int(hf.num_hidden_layers)
     spec = rope_spec(find_rotary(runner.model), cache_pool.get_key_buffer(0).device)
     kv = KVAccess(cache_pool, num_layers, ModelRope(spec))
-    lower = None
+    lower = shutdown = None
     if settings.has_lower_tiers and spec.inv_freq is None:
         logger.error(
             "sgl_pic: host and disk tiers are off: they store keys by plain RoPE frequencies, "
             "and this model's rotary table (partial rotary or attention scaling) has none"
         )
     elif settings.has_lower_tiers:
-        lower = _lower_tiers(settings, fingerprint, spec.inv_freq.cpu(), cache_pool, metrics)
+        lower, shutdown = _lower_tiers(
+            settings, fingerprint, spec.inv_freq.cpu(), cache_pool, metrics
+        )
     ratios = None
     if settings.calibrate and lower is not None:
         from sgl_pic.integration.calibration import calibrate_tiers
@@ -137,6 +139,9 @@ def build_tree_cache(ctx: Any) -> Any:
         feed_timeout_s=settings.feed_timeout_s,
         merge_gap=settings.merge_gap,
     )
+    if shutdown is not None:
+        # The promoter reads from the tiers: its worker is joined before they stop.
+        shutdown.before.append(_executor.close)
     install(runner, _on_extend, _phases.layer_start, _phases.layer_end)
     signer = MarkSigner(settings.secret) if settings.secret else None
     _gate = AdmissionGate(settings.config, signer, vocab_size, metrics)
@@ -192,8 +197,7 @@ def _lower_tiers(
     # and copies them on a side stream, one event per layer (``layer_feed``).
     lower = LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device="cpu")
     # build_tree_cache runs on the scheduler's main thread, where signal handlers can be set.
-    install_shutdown(lower, metrics)
-    return lower
+    return lower, install_shutdown(lower, metrics)
 
 
 def _admit_hook(original: Any, req: Any, *args: Any, **kwargs: Any) -> str | None:
