@@ -13,7 +13,6 @@ import torch
 from sgl_pic.integration.model_hooks import SUPPORTED_BACKENDS, check_support, install
 
 
-
 class MHATokenToKVPool:  # the class name is what the check reads
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
