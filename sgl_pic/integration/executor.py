@@ -41,7 +41,7 @@ from sgl_pic.integration.kv_access import KVAccess, single_thread
 from sgl_pic.integration.layer_feed import FeedTimeout, LayerFeed, MissingChunkError
 from sgl_pic.integration.lower_tiers import LowerTiers
 from sgl_pic.integration.metrics import PicMetrics
-from sgl_pic.integration.phases import PhaseRunner, SubRequest, runs_of
+from sgl_pic.integration.phases import PhaseRunner, Run, SubRequest, runs_of
 from sgl_pic.integration.planner import ChunkLookup, RequestPlan
 from sgl_pic.integration.promoter import Promoter
 from sgl_pic.selection import cachetune_ranking
@@ -203,7 +203,7 @@ class ChunkExecutor:
         if chunk_ids in self.promoter:
             # Its full load is already under way: finishing it costs less than loading
             # the chunk again from the lower tier.
-            self.promoter.finish(chunk_ids)
+            self.promoter.finish(chunk_ids, self.feed_timeout_s)
         hit = self.nodes.match(chunk_ids)
         if hit is not None:
             self.nodes.lock(hit.nodes)
@@ -286,35 +286,44 @@ class ChunkExecutor:
 
     # ----------------------------------------------------------------- phase 2
     def _phase2(
-        self, stack: Stack, input_ids: torch.Tensor, live: Any, plans: dict[int, RequestPlan]
+        self,
+        stack: Stack,
+        input_ids: torch.Tensor,  # [n] extend tokens of the live batch
+        live: Any,
+        plans: dict[int, RequestPlan],
     ) -> torch.Tensor:
         """One phase batch: every chunked request's runs and every plain request."""
         prefix_lens = list(live.extend_prefix_lens_cpu)
         ext_lens = list(live.extend_seq_lens_cpu)
+        pool_idx = live.req_pool_indices.tolist()
+        runs: dict[int, list[Run]] = {}
+        for b, plan in plans.items():
+            sel = planner.select(
+                plan, lambda plan=plan: self._deviation(stack, live, plan), self.ratios
+            )
+            runs[b] = runs_of(sel, self.merge_gap)
+        self._fit(runs, plans, len(pool_idx) - len(plans))
         device = input_ids.device
         subs: list[SubRequest] = []
         rows: list[torch.Tensor] = []
         feeds: list[LayerFeed] = []
         row_in = 0
-        for b, idx in enumerate(live.req_pool_indices.tolist()):
+        for b, idx in enumerate(pool_idx):
             p, e = prefix_lens[b], ext_lens[b]
             plan = plans.get(b)
             if plan is None:
                 subs.append(SubRequest(idx, p, e))
                 rows.append(torch.arange(row_in, row_in + e, device=device))
             else:
-                sel = planner.select(
-                    plan, lambda plan=plan: self._deviation(stack, live, plan), self.ratios
-                )
-                runs = runs_of(sel, self.merge_gap)
-                if self.merge_gap:
-                    sel = self._merged(plan, runs)
-                plan.runs = len(runs)
-                for a, z in runs:
-                    subs.append(SubRequest(idx, a, z - a))
-                    rows.append(torch.arange(row_in + a - p, row_in + z - p, device=device))
+                plan.runs = len(runs[b])
+                for run in runs[b]:
+                    subs.append(SubRequest(idx, run.start, run.end - run.start))
+                    rows.append(
+                        torch.arange(row_in + run.start - p, row_in + run.end - p, device=device)
+                    )
                 if plan.lower:
-                    feeds.append(self._feed(plan, sel))
+                    assert plan.selected is not None
+                    feeds.append(self._feed(plan, plan.selected))
             row_in += e
         self.metrics.phase2_runs.inc(sum(plan.runs for plan in plans.values()))
         take = torch.cat(rows)
@@ -336,8 +345,24 @@ class ChunkExecutor:
         hidden[take] = out
         return hidden
 
+    def _fit(self, runs: dict[int, list[Run]], plans: dict[int, RequestPlan], plain: int) -> None:
+        """Merges runs across growing gaps until the phase batch fits the backend's plan
+        buffers (``PhaseRunner.max_subrequests``); merged gaps are recomputed too."""
+        cap = self.phases.max_subrequests
+        gap = max(self.merge_gap, 1)
+        while cap is not None and plain + sum(len(r) for r in runs.values()) > cap:
+            for b, plan in plans.items():
+                assert plan.selected is not None
+                runs[b] = runs_of(plan.selected, gap)
+            gap *= 2
+            self.metrics.run_merges.inc()
+        for b, plan in plans.items():
+            covered = sum(run.end - run.start for run in runs[b])
+            if plan.selected is not None and covered != plan.selected.numel():
+                self._merged(plan, runs[b])
+
     @staticmethod
-    def _merged(plan: RequestPlan, runs: list[tuple[int, int]]) -> torch.Tensor:
+    def _merged(plan: RequestPlan, runs: list[Run]) -> torch.Tensor:
         """The positions of merged runs (# [k']), with the plan's stats brought in line."""
         sel = torch.cat([torch.arange(a, z) for a, z in runs])  # host: planning
         assert plan.stats is not None and plan.selected is not None
@@ -363,6 +388,7 @@ class ChunkExecutor:
             for layer in range(self.kv.num_layers):
                 feed.before_layer(layer)
             self._count_loaded(feed)
+            plan.loaded_whole.extend(plan.lower)  # still promoted after the batch
             plan.lower.clear()
         toks = plan.pending.token_ids
         n, p = len(toks), plan.prefix
@@ -411,7 +437,7 @@ class ChunkExecutor:
     def _promote(self, plans: dict[int, RequestPlan]) -> None:
         """Lower-tier chunks the request used become chunk nodes (``Promoter``)."""
         for plan in plans.values():
-            for start, end, hit in plan.lower:
+            for start, end, hit in plan.lower + plan.loaded_whole:
                 self.promoter.submit(hit, plan.pending.token_ids[start:end], hit.ranking)
 
     def _release(self, plans: dict[int, RequestPlan]) -> None:

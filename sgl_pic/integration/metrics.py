@@ -125,6 +125,10 @@ class PicMetrics:
             "sgl_pic_phase2_runs",
             "Contiguous runs of recomputed tokens phase 2 ran as extend sub-requests",
         )
+        self.run_merges = Counter(
+            "sgl_pic_run_merges",
+            "Times phase-2 runs were merged across a wider gap to fit the backend's batch",
+        )
         self.unsupported = Gauge(
             "sgl_pic_unsupported",
             "1 when chunk reuse is off because the method does not cover the model or "

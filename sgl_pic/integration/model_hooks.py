@@ -63,6 +63,13 @@ def check_support(ctx: Any) -> Support:
         return Support("parallelism", "pipeline parallelism or DP attention")
     if getattr(args, "speculative_algorithm", None):
         return Support("speculative", "speculative decoding")
+    if getattr(args, "enable_lora", False) or getattr(args, "lora_paths", None):
+        # LoRA layers read batch info prepared for the live batch's segments.
+        return Support("lora", "LoRA adapters")
+    if getattr(args, "enable_two_batch_overlap", False):
+        return Support("parallelism", "two-batch overlap")
+    if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
+        return Support("parallelism", "context parallelism")
     pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     if type(pool).__name__ != "MHATokenToKVPool":
         return Support("kv_pool", f"KV pool {type(pool).__name__} (needs MHATokenToKVPool)")
@@ -97,13 +104,15 @@ def install(
     on_extend: Callable[[StackForward, torch.Tensor, torch.Tensor, Any], torch.Tensor | None],
     layer_start: Callable[[int], None],
     layer_end: Callable[[int], None],
+    on_bypass: Callable[[Any], None] = lambda _fb: None,
 ) -> None:
     """Wraps the runner's decoder stack and hooks its layers.
 
     on_extend(stack, input_ids, positions, forward_batch): hidden states for an extend
     batch, or None to let the stack run it as SGLang would; ``stack(ids, pos, fb)`` is the
     stack's own forward. layer_start/layer_end(i) run around decoder layer i (they must
-    return quickly when no phase is running)."""
+    return quickly when no phase is running). on_bypass(fb): an extend batch the executor
+    cannot take (input embeddings, pipeline tensors) runs as SGLang would."""
     stack = model_runner.model.model
     if getattr(stack, "_sgl_pic_wrapped", False):
         return
@@ -117,7 +126,10 @@ def install(
         **kwargs: Any,
     ) -> Any:
         extras = [a for a in args if a is not None] + [v for v in kwargs.values() if v is not None]
-        if extras or not forward_batch.forward_mode.is_extend():
+        if not forward_batch.forward_mode.is_extend():
+            return original(input_ids, positions, forward_batch, *args, **kwargs)
+        if extras:
+            on_bypass(forward_batch)
             return original(input_ids, positions, forward_batch, *args, **kwargs)
 
         def run(ids: torch.Tensor, pos: torch.Tensor, fb: Any) -> torch.Tensor:

@@ -65,12 +65,23 @@ def find_rotary(model: Any) -> Any:
             raise UnsupportedRope("attention layers use different rotary embeddings")
     if getattr(first, "position_start", 0):
         raise UnsupportedRope("rotary tables that do not start at position 0")
+    if len(getattr(first, "scaling_factors", None) or ()) > 1:
+        # One table per factor, concatenated: a row index is not a position delta.
+        raise UnsupportedRope("linear RoPE scaling with several factors")
     return first
 
 
 def rope_spec(rotary: Any, device: torch.device | str) -> RopeSpec:
     """The spec of an SGLang rotary module, its table copied to ``device`` in float32."""
-    table = rotary.cos_sin_cache.detach().to(device=device, dtype=torch.float32).clone()
+    # The live buffer may have been cast to the activation dtype (bf16 on many servers);
+    # the module rebuilds its fp32 table, scaling included, for the rotation here.
+    try:
+        table = rotary._compute_cos_sin_cache()
+    except Exception:  # noqa: BLE001 - a module without the builder keeps its buffer
+        table = rotary.cos_sin_cache
+    if table.shape != rotary.cos_sin_cache.shape:
+        table = rotary.cos_sin_cache
+    table = table.detach().to(device=device, dtype=torch.float32).clone()
     half = int(rotary.rotary_dim) // 2
     mscale = float(table[0, 0])  # cos(0) * m
     if not mscale > 0:

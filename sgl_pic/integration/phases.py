@@ -12,9 +12,11 @@ row of SGLang's ``req_to_token`` with a prefix and an extend length:
 The batch is built from the live ``ForwardBatch`` (``dataclasses.replace``), given its own
 KV-location plan by SGLang's translator, planned by the selected attention backend's
 ``init_forward_metadata``, and run through the model's decoder stack. FlashInfer, FA3,
-triton and torch_native attend it with their own kernels: within a layer SGLang writes all
-new K/V before it attends, so a run sees the fresh K/V of earlier runs of its request and
-the reused KV elsewhere, which is exactly the two-phase semantics.
+triton and torch_native attend it with their own kernels. The two-phase semantics need
+every new K/V of a layer written before any query of that layer attends, so that a run
+sees the fresh K/V of earlier runs of its request (and the reused KV elsewhere). FA3,
+triton and torch_native write first; FlashInfer's ragged extend reads the prefix from the
+pool before it writes, so phase batches are planned on its paged path, which writes first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+
+
+class Run(NamedTuple):
+    """Positions start..end-1 of one request, recomputed as one sub-request."""
+
+    start: int
+    end: int
 
 
 class SubRequest(NamedTuple):
@@ -43,7 +52,7 @@ class PhaseBatch(NamedTuple):
     subrequests: tuple[SubRequest, ...]
 
 
-def runs_of(positions: torch.Tensor, merge_gap: int = 0) -> list[tuple[int, int]]:
+def runs_of(positions: torch.Tensor, merge_gap: int = 0) -> list[Run]:
     """Half-open runs [start, end) covering the sorted distinct ``positions`` (# [k]);
     runs separated by at most ``merge_gap`` unselected tokens become one (those tokens
     are then recomputed too, which only brings the result closer to exact)."""
@@ -56,7 +65,7 @@ def runs_of(positions: torch.Tensor, merge_gap: int = 0) -> list[tuple[int, int]
             runs[-1][1] = p + 1
         else:
             runs.append([p, p + 1])
-    return [(a, b) for a, b in runs]
+    return [Run(a, b) for a, b in runs]
 
 
 def build_phase_batch(
@@ -125,12 +134,40 @@ def build_phase_batch(
         token_indices_to_pool=None,
         is_extend_in_batch=True,
         next_token_logits_buffer=None,
+        # Per-batch state the phase batch does not share with the live one: split
+        # batches, context parallelism, multimodal and multi-item inputs, a caller's
+        # attention output buffer, token-padding counts (recounted below).
+        tbo_split_seq_index=None,
+        tbo_children=None,
+        tbo_parent_token_range=None,
+        tbo_padded_len=None,
+        attn_cp_metadata=None,
+        attn_dcp_metadata=None,
+        dcp_kv_mask=None,
+        multi_item_delimiter_indices=None,
+        mm_inputs=None,
+        mm_token_modalities=None,
+        replace_embeds=None,
+        replace_positions=None,
+        token_type_ids=None,
+        encoder_lens=None,
+        spec_info=None,
+        ngram_embedding_info=None,
+        aux_hidden_states_buffer=None,
+        hidden_states=None,
+        residual=None,
+        _attn_output=None,
+        num_token_non_padded=None,
+        global_num_token_non_padded=None,
+        global_num_token_non_padded_cpu=None,
     )
     if translator is not None:
         translator.own_plan(fb).bind(fb, translator)
     if getattr(live, "global_num_token_non_padded", None) is not None:
         # Set by SGLang only where token padding is masked (MoE all-to-all): recount.
         fb._init_num_token_non_padded(device=device, is_draft_worker=False)
+    if getattr(live, "global_num_token_non_padded_cpu", None) is not None:
+        fb.global_num_token_non_padded_cpu = sum(ext)
     return PhaseBatch(fb, subs)
 
 
@@ -163,8 +200,23 @@ class PhaseRunner:
         """The phase batch of ``subrequests`` (# [sum extend] ``input_ids``), planned by
         the attention backend: after this the backend's metadata describes it."""
         phase = build_phase_batch(live, subrequests, input_ids, self.req_to_token, self.translator)
-        self.backend.init_forward_metadata(phase.forward_batch)
+        paged = getattr(self.backend, "use_paged", None)
+        if paged is False:
+            # FlashInfer: its ragged extend attends the prefix before this layer's writes
+            # (see module doc); the paged path writes first. Read only while planning.
+            self.backend.use_paged = True
+        try:
+            self.backend.init_forward_metadata(phase.forward_batch)
+        finally:
+            if paged is False:
+                self.backend.use_paged = False
         return phase
+
+    @property
+    def max_subrequests(self) -> int | None:
+        """Sub-requests one phase batch may hold: backends size their per-request plan
+        buffers by SGLang's request table (None: no table, no limit)."""
+        return None if self.req_pool is None else int(self.req_pool.size)
 
     def run(
         self,

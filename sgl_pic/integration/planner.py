@@ -41,6 +41,8 @@ class RequestPlan:
     hit_spans: list[tuple[int, int]] = field(default_factory=list)  # chunks reused
     misses: list[tuple[int, int]] = field(default_factory=list)  # chunks for phase 1
     lower: list[tuple[int, int, Any]] = field(default_factory=list)  # host/disk hits
+    # Host/disk hits already loaded whole (CacheBlend's pass needs them all in the pool).
+    loaded_whole: list[tuple[int, int, Any]] = field(default_factory=list)
     locked_nodes: list[Any] = field(default_factory=list)
     locked_keys: list[str] = field(default_factory=list)  # lower-tier records in use
     tiers: set[str] = field(default_factory=set)  # tiers the reused chunks came from

@@ -142,7 +142,7 @@ def build_tree_cache(ctx: Any) -> Any:
     if shutdown is not None:
         # The promoter reads from the tiers: its worker is joined before they stop.
         shutdown.before.append(_executor.close)
-    install(runner, _on_extend, _phases.layer_start, _phases.layer_end)
+    install(runner, _on_extend, _phases.layer_start, _phases.layer_end, _on_bypass)
     signer = MarkSigner(settings.secret) if settings.secret else None
     _gate = AdmissionGate(settings.config, signer, vocab_size, metrics)
     logger.info(
@@ -254,9 +254,28 @@ def _on_extend(
         logger.exception("sgl_pic: chunk execution failed; running the batch without reuse")
         _executor.metrics.failures.inc()
         _phases.before_layer, _phases.after_layer = [], []
-        # The backend was planned for a phase batch: plan it for the live one again.
-        _phases.backend.init_forward_metadata(forward_batch)
+        _phases.batch = None
+        try:
+            # The backend was planned for a phase batch: plan it for the live one again.
+            _phases.backend.init_forward_metadata(forward_batch)
+        except Exception:
+            logger.exception("sgl_pic: re-planning the attention backend failed")
         return None
+    # On success the backend's metadata describes the last phase batch; nothing after
+    # the decoder stack (the logits processor, sampling) reads it, and the next batch is
+    # planned afresh by SGLang.
+
+
+def _on_bypass(forward_batch: Any) -> None:
+    """An extend batch the executor cannot take (input embeddings, pipeline tensors): its
+    chunked requests run exact, counted."""
+    if _executor is not None and _executor.handoff:
+        logger.warning(
+            "sgl_pic: %d chunked request(s) in a batch with input embeddings run without reuse",
+            len(_executor.handoff),
+        )
+        _executor.metrics.fallbacks.inc(len(_executor.handoff))
+        _executor.handoff = {}
 
 
 def _torch_native_extend_hook(

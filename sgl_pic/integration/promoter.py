@@ -74,25 +74,33 @@ class Promoter:
             if job.done():
                 self.finish(chunk_ids)
 
-    def finish(self, chunk_ids: ChunkIds) -> None:
-        """Waits for one promotion's load and fills its chunk nodes (unless a flush came
-        in between, or the load found the records gone)."""
-        job, ranking, generation = self._jobs.pop(chunk_ids)
+    def finish(self, chunk_ids: ChunkIds, timeout_s: float | None = None) -> bool:
+        """Waits up to ``timeout_s`` for one promotion's load and fills its chunk nodes
+        (unless a flush came in between, or the load found the records gone). False when
+        the load is still running: it stays queued, and the caller reads the lower tier."""
+        job, ranking, generation = self._jobs[chunk_ids]
         if generation != self.nodes.generation:
             # Begun before a flush, which dropped the chunk nodes: never waited for.
+            del self._jobs[chunk_ids]
             job.cancel()
-            return
+            return True
         try:
-            kv = job.result()
+            kv = job.result(timeout=timeout_s)
+        except TimeoutError:
+            return False
         except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
+            del self._jobs[chunk_ids]
             logger.exception("sgl_pic: promotion of a stored chunk failed")
-            return
+            return True
+        del self._jobs[chunk_ids]
         if kv is not None and self.nodes.match(chunk_ids) is None:
             self.store(chunk_ids, kv, ranking)
             self.metrics.promotions.inc()
+        return True
 
     def close(self) -> None:
-        """Drops queued promotions and joins the worker (shutdown)."""
+        """Drops queued promotions and joins the worker (shutdown): at most the one chunk
+        read already running is waited for."""
         for job, _, _ in self._jobs.values():
             job.cancel()
         self._jobs.clear()

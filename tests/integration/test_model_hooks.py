@@ -47,7 +47,13 @@ class Stack(torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleList([Layer(**attn), Layer(**attn)])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [n]
+        positions: torch.Tensor,  # [n]
+        fb: Any,
+        input_embeds: torch.Tensor | None = None,  # [n], as SGLang's stacks take it
+    ) -> torch.Tensor:
         h = input_ids.float()
         for layer in self.layers:
             h = layer(h)
@@ -102,6 +108,7 @@ def test_covered_backends_pass(backend: str) -> None:
         (ctx(model=Model(sliding_window_size=4096)), "sliding_window"),
         (ctx(model=Model(cross=True)), "cross_attention"),
         (ctx(model=torch.nn.Linear(2, 2)), "model"),
+        (ctx(enable_lora=True), "lora"),
     ],
 )
 def test_uncovered_servers_are_refused_with_a_reason(c: Any, reason: str) -> None:
@@ -134,8 +141,13 @@ def test_wrapper_hands_extend_batches_to_the_executor_only() -> None:
         return None
 
     runner = SimpleNamespace(model=model)
+    bypassed: list[Any] = []
     install(
-        runner, on_extend, lambda i: layers.append(("pre", i)), lambda i: layers.append(("post", i))
+        runner,
+        on_extend,
+        lambda i: layers.append(("pre", i)),
+        lambda i: layers.append(("post", i)),
+        bypassed.append,
     )
     install(runner, on_extend, print, print)  # idempotent: one wrapper, one set of hooks
     extend = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), chunked=True)
@@ -146,5 +158,8 @@ def test_wrapper_hands_extend_batches_to_the_executor_only() -> None:
     assert model.model(ids, pos, plain).tolist() == [3.0, 4.0]  # None: the stack ran it
     assert model.model(ids, pos, decode).tolist() == [3.0, 4.0]
     assert seen == [extend, plain]  # decode never reaches the executor
+    # Input embeddings: the executor cannot take the batch; it is reported, then run.
+    assert model.model(ids, pos, extend, torch.zeros(2)).tolist() == [3.0, 4.0]
+    assert bypassed == [extend] and seen == [extend, plain]
     assert layers[:4] == [("pre", 0), ("post", 0), ("pre", 1), ("post", 1)]
-    assert len(layers) == 4 * 3  # three forwards, each layer hooked once
+    assert len(layers) == 4 * 4  # four forwards, each layer hooked once

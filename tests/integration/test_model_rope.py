@@ -119,3 +119,13 @@ def test_unsupported_and_inconsistent_rotaries_are_refused() -> None:
 def test_rope_spec_lives_on_the_requested_device() -> None:
     spec = rope_spec(find_rotary(torch.nn.Sequential(sglang_rope())), torch.device("cpu"))
     assert spec.cos_sin.device.type == "cpu" and spec.cos_sin.dtype == torch.float32
+
+
+def test_a_bf16_buffer_is_rebuilt_in_fp32() -> None:
+    # SGLang casts the live table to the activation dtype on some paths; the rotation
+    # must not inherit bf16 rows (nor lose the kernels' frequencies to the rounding).
+    rope = sglang_rope()
+    exact = rope_spec(find_rotary(torch.nn.Sequential(rope)), "cpu")
+    rope.cos_sin_cache = rope.cos_sin_cache.to(torch.bfloat16)
+    spec = rope_spec(find_rotary(torch.nn.Sequential(rope)), "cpu")
+    assert torch.equal(spec.cos_sin, exact.cos_sin) and spec.inv_freq is not None

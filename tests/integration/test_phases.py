@@ -115,9 +115,26 @@ def test_phase_batch_is_what_the_plan_says() -> None:
     assert fb.input_ids.tolist() == ids.tolist()
     assert not fb.return_logprob and fb.rids is None and not fb.forward_metadata_ready
     live = env.live()
-    assert live.batch_size == 2  # the live batch is left as it was
+    before = (live.batch_size, live.input_ids.clone(), live.out_cache_loc.clone(), live.rids)
+    build_phase_batch(live, subs, ids, table, None)
+    # The live batch SGLang built is left as it was.
+    assert live.batch_size == before[0] and live.rids == before[3]
+    assert torch.equal(live.input_ids, before[1]) and torch.equal(live.out_cache_loc, before[2])
+    assert live.extend_seq_lens_cpu == [60, 20]
     with pytest.raises(ValueError, match="input ids"):
         build_phase_batch(live, subs, ids[:3], table, None)
+
+
+def test_flashinfer_plans_phase_batches_on_its_paged_path() -> None:
+    # Its ragged extend reads the prefix before the layer's writes; the paged one after.
+    env = Env()
+    seen: list[bool] = []
+    backend = SimpleNamespace(use_paged=False)
+    backend.init_forward_metadata = lambda fb: seen.append(backend.use_paged)
+    runner = PhaseRunner(backend, env.req_pool.req_to_token, None, env.req_pool)
+    runner.prepare(env.live(), subrequests(env), torch.arange(36))
+    assert seen == [True] and backend.use_paged is False
+    assert runner.max_subrequests == env.req_pool.size
 
 
 def test_the_backend_plans_the_phase_batch() -> None:

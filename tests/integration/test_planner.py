@@ -101,3 +101,26 @@ def test_runs_of_and_merging() -> None:
     # Runs cover exactly the positions when nothing is merged.
     covered = torch.cat([torch.arange(a, b) for a, b in runs_of(sel)])
     assert covered.tolist() == sel.tolist()
+
+
+def test_runs_are_merged_until_the_phase_batch_fits() -> None:
+    from types import SimpleNamespace
+
+    from sgl_pic.integration.executor import ChunkExecutor
+
+    merges = SimpleNamespace(n=0)
+    ex = ChunkExecutor.__new__(ChunkExecutor)
+    ex.merge_gap = 0
+    ex.phases = SimpleNamespace(max_subrequests=4)
+    ex.metrics = SimpleNamespace(
+        run_merges=SimpleNamespace(inc=lambda: setattr(merges, "n", merges.n + 1))
+    )
+    plan = _plan(spans=[[0, 8], [8, 16]], n=20, policy="epic")
+    planner.classify(plan, lambda s, e: ChunkLookup("device", None))
+    plan.selected = torch.tensor([1, 3, 5, 7, 9, 19])
+    runs = {0: runs_of(plan.selected)}
+    ex._fit(runs, {0: plan}, plain=1)
+    # 6 runs + 1 plain request > 4: gap 1 joins 1..9 into one run, leaving 2 + 1.
+    assert runs[0] == [(1, 10), (19, 20)] and merges.n == 1
+    assert plan.selected.tolist() == [*range(1, 10), 19]
+    assert plan.stats is not None and plan.stats.recomputed_tokens == 10
