@@ -165,18 +165,13 @@ def torch_native_phase_extend(
     v: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
     layer: Any,  # sglang RadixAttention
     forward_batch: Any,  # a phase batch (sgl_pic.integration.phases)
+    groups: list[AttnGroup],  # ``row_groups`` of that batch, built once per forward
     save_kv_cache: bool = True,
 ) -> torch.Tensor:
     """torch_native's extend for a phase batch, same result as SGLang's loop (see module
     doc); # [n, num_heads * v_dim]."""
     if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) not in (None, -1):
         raise NotImplementedError("sgl_pic: cross attention and sliding windows are unsupported")
-    groups = row_groups(
-        forward_batch.req_pool_indices.tolist(),
-        list(forward_batch.extend_prefix_lens_cpu),
-        list(forward_batch.extend_seq_lens_cpu),
-        backend.req_to_token_pool.req_to_token,
-    )
     return grouped_forward_extend(
         backend.token_to_kv_pool,
         q,

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sgl_pic.integration.attention import AttnGroup, row_groups
+
 
 class Run(NamedTuple):
     """Positions start..end-1 of one request, recomputed as one sub-request."""
@@ -191,6 +193,7 @@ class PhaseRunner:
         self.translator = translator
         self.req_pool = req_pool
         self.batch: Any | None = None
+        self._groups: list[AttnGroup] | None = None  # row_groups of ``batch``, once built
         self.before_layer: list[Callable[[int], None]] = []
         self.after_layer: list[Callable[[int], None]] = []
 
@@ -225,11 +228,25 @@ class PhaseRunner:
     ) -> torch.Tensor:
         """# [sum extend, hidden] the decoder stack's output over ``phase``."""
         fb = phase.forward_batch
-        self.batch = fb
+        self.batch, self._groups = fb, None
         try:
             return stack(fb.input_ids, fb.positions, fb)
         finally:
-            self.batch = None
+            self.batch, self._groups = None, None
+
+    def row_groups(self) -> list[AttnGroup]:
+        """The running phase batch's sub-requests grouped by request row
+        (``attention.row_groups``), built on the first layer and reused by the others."""
+        assert self.batch is not None, "no phase batch is running"
+        if self._groups is None:
+            fb = self.batch
+            self._groups = row_groups(
+                fb.req_pool_indices.tolist(),
+                list(fb.extend_prefix_lens_cpu),
+                list(fb.extend_seq_lens_cpu),
+                self.req_to_token,
+            )
+        return self._groups
 
     def scratch_rows(self, n: int) -> list[int] | None:
         """``n`` free rows of SGLang's request table for phase 1 (None when fewer are

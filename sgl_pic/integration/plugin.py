@@ -106,9 +106,7 @@ def build_tree_cache(ctx: Any) -> Any:
             "and this model's rotary table (partial rotary or attention scaling) has none"
         )
     elif settings.has_lower_tiers:
-        lower, shutdown = _lower_tiers(
-            settings, fingerprint, spec.inv_freq.cpu(), cache_pool, metrics
-        )
+        lower, shutdown = _lower_tiers(settings, fingerprint, spec.inv_freq.cpu(), metrics)
     ratios = None
     if settings.calibrate and lower is not None:
         from sgl_pic.integration.calibration import calibrate_tiers
@@ -164,9 +162,7 @@ def build_tree_cache(ctx: Any) -> Any:
     return cache
 
 
-def _lower_tiers(
-    settings: Any, fingerprint: Any, inv_freq: torch.Tensor, pool: Any, metrics: Any
-) -> Any:
+def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, metrics: Any) -> Any:
     """Host and disk tiers keyed by the pre-RoPE fingerprint. With the disk tier off, its
     place is a zero-capacity tier in a private temporary directory that keeps nothing.
     Their queued disk writes finish (bounded) or are dropped cleanly when this scheduler
@@ -295,4 +291,5 @@ def _torch_native_extend_hook(
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     from sgl_pic.integration.attention import torch_native_phase_extend
 
-    return torch_native_phase_extend(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    groups = _phases.row_groups()
+    return torch_native_phase_extend(backend, q, k, v, layer, forward_batch, groups, save_kv_cache)

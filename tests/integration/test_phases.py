@@ -170,7 +170,18 @@ def test_torch_native_phase_extend_equals_sglangs_loop() -> None:
     v = torch.randn(36, KV_HEADS, DIM, generator=env.g)
     k_before = env.pool.get_key_buffer(0).clone()
     env.backend.init_forward_metadata(fb)
-    ours = torch_native_phase_extend(env.backend, q, k, v, env.layer, fb)
+    runner = PhaseRunner(env.backend, env.req_pool.req_to_token, None, env.req_pool)
+    built: list[Any] = []
+
+    def stack(*_: Any) -> torch.Tensor:
+        built.append(runner.row_groups())
+        built.append(runner.row_groups())  # a later layer gets the same groups, not new ones
+        return torch.zeros(0)
+
+    runner.run(stack, phase)
+    assert built[0] is built[1] and runner.batch is None
+    groups = built[0]
+    ours = torch_native_phase_extend(env.backend, q, k, v, env.layer, fb, groups)
     ours_k = env.pool.get_key_buffer(0).clone()
     env.pool.get_key_buffer(0)[:] = k_before
     theirs = env.backend.forward_extend(q, k, v, env.layer, fb)
