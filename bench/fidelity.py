@@ -14,18 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
@@ -38,10 +41,20 @@ from sgl_pic.fidelity import (  # noqa: E402
     top1_agrees,
 )
 from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.oracle.forward import KVCache  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
-from sgl_pic.selection import cachetune_ranking, make_policy  # noqa: E402
+from sgl_pic.selection import (  # noqa: E402
+    Selection,
+    SelectionContext,
+    SelectionPolicy,
+    cachetune_ranking,
+    finalize,
+    make_policy,
+)
+from sgl_pic.selection.cacheblend import reused_candidates  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
+TARGET_BUDGET = 0.15  # issue #11's budget: the oracle selection is made at it
 
 
 @dataclass(frozen=True)
@@ -54,18 +67,20 @@ class Variant:
 
 def variants(sweep: bool) -> list[Variant]:
     """Every policy at its default budget, plus a budget sweep of the partial ones."""
-    defaults = PicConfig()
+    d = PicConfig()
     out = [
         Variant("full_recompute", "full_recompute", (), True),
         Variant("full_reuse", "full_reuse", (), True),
-        Variant(f"epic k={defaults.epic_k}", "epic", (), True),
-        Variant(f"cacheblend {defaults.cacheblend_ratio:.0%}", "cacheblend", (), True),
-        Variant(f"daric n_avg={defaults.daric_n_avg:g}", "daric", (), True),
-        Variant(f"cachetune {defaults.cachetune_r:.0%}", "cachetune", (), True),
+        Variant(f"epic k={d.epic_k}", "epic", (), True),
+        Variant(f"cacheblend {d.cacheblend_ratio:.0%}", "cacheblend", (), True),
+        Variant(f"daric n_avg={d.daric_n_avg:g}", "daric", (), True),
+        Variant(f"cachetune {d.cachetune_r:.0%}", "cachetune", (), True),
+        Variant(f"query_aware {d.qa_ratio:.0%} L{d.qa_layers}", "query_aware", (), True),
     ]
     if not sweep:
         return out
-    for k in (8, 16, 64):
+    out.append(Variant("epic k=39", "epic", (("epic_k", 39),), False))  # ~15%, as the others
+    for k in (8, 64):
         out.append(Variant(f"epic k={k}", "epic", (("epic_k", k),), False))
     for ratio in (0.05, 0.3):
         out.append(
@@ -73,9 +88,98 @@ def variants(sweep: bool) -> list[Variant]:
         )
     for n_avg in (8, 16, 64):
         out.append(Variant(f"daric n_avg={n_avg}", "daric", (("daric_n_avg", n_avg),), False))
-    for r in (0.05, 0.3):
-        out.append(Variant(f"cachetune {r:.0%}", "cachetune", (("cachetune_r", r),), False))
+    for layers in (4, 16):
+        out.append(
+            Variant(
+                f"query_aware {d.qa_ratio:.0%} L{layers}",
+                "query_aware",
+                (("qa_layers", layers),),
+                False,
+            )
+        )
+    for ratio in (0.05, 0.1, 0.3):
+        out.append(
+            Variant(
+                f"query_aware {ratio:.0%} L{d.qa_layers}",
+                "query_aware",
+                (("qa_ratio", ratio),),
+                False,
+            )
+        )
     return out
+
+
+ORACLE_VARIANT = Variant(
+    f"oracle deviation x attention {TARGET_BUDGET:.0%}", "oracle_selection", (), False
+)
+
+
+class TimedReuse(NamedTuple):
+    kv: KVCache
+    logits: torch.Tensor  # [vocab]
+    computed: Selection
+    seconds: float  # assembly + selection + recomputation
+    selection_s: float  # the policy's select(), signals (deviation, probe) included
+
+
+def _timed_reuse(
+    oracle: Oracle, ids: torch.Tensor, layout: Any, chunks: list[Any], policy: SelectionPolicy
+) -> TimedReuse:
+    """``Oracle.reuse`` step by step, with the selection timed on its own."""
+    t0 = time.perf_counter()
+    assembled = oracle.assemble(ids, layout, chunks)
+    ctx = SelectionContext(
+        layout=layout,
+        rankings=tuple(c.ranking for c in chunks),
+        deviation=lambda: oracle.first_layer_deviation(ids, layout, assembled),
+        query_attention=lambda: oracle.query_attention(
+            ids, layout, assembled, policy.config.qa_layers
+        ),
+    )
+    t1 = time.perf_counter()
+    chosen = finalize(policy.select(ctx), layout)
+    t2 = time.perf_counter()
+    res = oracle.recompute(ids, assembled, chosen)
+    return TimedReuse(res.kv, res.logits, res.computed, time.perf_counter() - t0, t2 - t1)
+
+
+def _oracle_selection(
+    oracle: Oracle, ids: torch.Tensor, layout: Any, chunks: list[Any], full: Any, budget: float
+) -> TimedReuse:
+    """The diagnosis's best oracle (bench/diagnose.py): the reused tokens of largest true
+    K/V deviation from full prefill times the question's full-prefill attention to them.
+    Known only after a full prefill: a reference point, not a policy (its time is not a
+    cost anyone could pay)."""
+    from diagnose import deviation_scores, tail_pass, top_k
+
+    t0 = time.perf_counter()
+    assembled = oracle.assemble(ids, layout, chunks)
+    cand = reused_candidates(SelectionContext(layout))
+    fresh = torch.tensor(layout.fresh_indices(), dtype=torch.int64)
+    attention, _ = tail_pass(oracle, ids, full.kv, fresh)
+    score = deviation_scores(full.kv, assembled, cand)["raw"] * attention.mean((0, 1))
+    t1 = time.perf_counter()
+    sel = top_k(score, cand, round(budget * layout.num_reusable))
+    res = oracle.recompute(ids, assembled, finalize(sel, layout))
+    return TimedReuse(res.kv, res.logits, res.computed, time.perf_counter() - t0, t1 - t0)
+
+
+def bootstrap_ci(values: list[float], seed: int = 0, n: int = 2000) -> list[float]:
+    """95% percentile bootstrap interval of the mean over examples."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
+    return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
+
+
+def git_state() -> dict[str, Any]:
+    """The commit the run describes and whether the tree had changes."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,10 +215,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results, times = [], []
         for var in all_variants:
             policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
-            t0 = time.perf_counter()
-            results.append(oracle.reuse(ids, layout, chunks, policy))
-            times.append(time.perf_counter() - t0)
+            results.append(_timed_reuse(oracle, ids, layout, chunks, policy))
+            times.append(results[-1].seconds)
             bar.update(1)
+        if args.oracle_selection:
+            results.append(_oracle_selection(oracle, ids, layout, chunks, full, TARGET_BUDGET))
+            times.append(results[-1].seconds)
         # One batched greedy decode of the reference and every variant (same prompt
         # length): decoding is weight-bandwidth bound, so this costs about one decode.
         continuations = oracle.generate_batch(
@@ -123,9 +229,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.new_tokens,
         )
         ref_tokens = continuations[0]
+        run_variants = all_variants + ([ORACLE_VARIANT] if args.oracle_selection else [])
         f1_full = answer_f1(tokenizer.decode(ref_tokens, skip_special_tokens=True), ex.answers)
         for var, res, t_reuse, tokens in zip(
-            all_variants, results, times, continuations[1:], strict=True
+            run_variants, results, times, continuations[1:], strict=True
         ):
             computed = res.computed.indices
             in_chunks = sum(
@@ -148,6 +255,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "f1": answer_f1(tokenizer.decode(tokens, skip_special_tokens=True), ex.answers),
                     "f1_full": f1_full,
                     "time_ratio": t_reuse / t_full,
+                    "selection_s": res.selection_s,
+                    "selection_share": res.selection_s / t_reuse,
                     "t_full_s": t_full,
                     "t_reuse_s": t_reuse,
                 }
@@ -165,7 +274,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": platform.machine(),
         "torch": torch.__version__,
         "wall_s": time.perf_counter() - started,
-        "summary": summarize(rows, all_variants),
+        "commit": git_state(),
+        "summary": summarize(
+            rows, all_variants + ([ORACLE_VARIANT] if args.oracle_selection else [])
+        ),
         "cachetune_recall": {key: statistics.fmean(r[key] for r in recalls) for key in recalls[0]},
         "rows": rows,
     }
@@ -205,6 +317,8 @@ def summarize(rows: list[dict[str, Any]], all_variants: list[Variant]) -> list[d
         "kv_deviation",
         "f1",
         "time_ratio",
+        "selection_s",
+        "selection_share",
     )
     out = []
     for var in all_variants:
@@ -216,6 +330,8 @@ def summarize(rows: list[dict[str, Any]], all_variants: list[Variant]) -> list[d
         }
         for k in keys:
             entry[k] = statistics.fmean(r[k] for r in mine)
+        for k in ("kl", "greedy_agreement"):
+            entry[k + "_ci95"] = bootstrap_ci([r[k] for r in mine])
         out.append(entry)
     return out
 
@@ -226,16 +342,19 @@ def print_table(result: dict[str, Any]) -> None:
         f"{statistics.fmean(r['num_tokens'] for r in result['rows']):.0f} tokens"
     )
     header = (
-        f"{'variant':<20}{'recomp':>8}{'KL':>9}{'top1':>7}{'greedy':>8}"
-        f"{'KVdev':>8}{'F1':>6}{'time':>7}"
+        f"{'variant':<34}{'recomp':>8}{'KL':>8}{'KL 95% CI':>16}{'greedy':>8}"
+        f"{'greedy 95% CI':>15}{'top1':>6}{'select':>8}{'time':>6}"
     )
     print(header)
     print("-" * len(header))
     for s in result["summary"]:
+        kl_lo, kl_hi = s["kl_ci95"]
+        ag_lo, ag_hi = s["greedy_agreement_ci95"]
         print(
-            f"{s['variant']:<20}{s['recompute_fraction']:>8.3f}{s['kl']:>9.4f}{s['top1']:>7.2f}"
-            f"{s['greedy_agreement']:>8.2f}{s['kv_deviation']:>8.4f}{s['f1']:>6.2f}"
-            f"{s['time_ratio']:>7.2f}"
+            f"{s['variant']:<34}{s['recompute_fraction']:>8.3f}{s['kl']:>8.4f}"
+            f"{f'[{kl_lo:.3f}, {kl_hi:.3f}]':>16}{s['greedy_agreement']:>8.2f}"
+            f"{f'[{ag_lo:.2f}, {ag_hi:.2f}]':>15}{s['top1']:>6.2f}"
+            f"{s['selection_share']:>8.1%}{s['time_ratio']:>6.2f}"
         )
     rec = result["cachetune_recall"]
     print(
@@ -291,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-sweep", action="store_true", help="default budgets only")
+    p.add_argument(
+        "--oracle-selection",
+        action="store_true",
+        help=f"add the oracle selection at {TARGET_BUDGET:.0%} (needs bench/diagnose.py)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fidelity.json")
     args = p.parse_args(argv)
     if args.examples < 1 or args.passages < 1:

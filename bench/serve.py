@@ -37,7 +37,15 @@ from typing import Any
 
 from _server import Client, delta, fresh_header, launch, metric, shifted
 
-POLICIES = ("full_recompute", "full_reuse", "epic", "daric", "cachetune")
+POLICIES = (
+    "full_recompute",
+    "full_reuse",
+    "epic",
+    "cacheblend",
+    "daric",
+    "cachetune",
+    "query_aware",
+)
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 
@@ -137,6 +145,10 @@ def main() -> None:
                         "speedup": ttft["full_prefill"][-1] / dt,
                         "recomputed_tokens": int(metric(d, "sgl_pic_recomputed_tokens_total")),
                         "phase2_runs": int(metric(d, "sgl_pic_phase2_runs_total")),
+                        # The policy's selection, its signal passes (CacheBlend's deviation,
+                        # the query probe) included, as the scheduler timed it.
+                        "selection_s": metric(d, "sgl_pic_selection_seconds_sum"),
+                        "selection_share": metric(d, "sgl_pic_selection_seconds_sum") / dt,
                     }
                 )
                 acc = per_policy.setdefault(policy, {})
@@ -197,6 +209,13 @@ def main() -> None:
         "phase2_runs_mean": {
             p: statistics.mean(r["phase2_runs"] for r in records if r["policy"] == p)
             for p in POLICIES
+        },
+        "selection_share_mean": {
+            p: statistics.mean(r["selection_share"] for r in records if r["policy"] == p)
+            for p in POLICIES
+        },
+        "selection_share_max": {
+            p: max(r["selection_share"] for r in records if r["policy"] == p) for p in POLICIES
         },
         "hit_rate": {},
         "recomputed_fraction": {},

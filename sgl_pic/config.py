@@ -21,11 +21,13 @@ POLICY_FIELDS: dict[str, tuple[str, ...]] = {
     "cacheblend": ("cacheblend_ratio",),
     "daric": ("daric_r", "daric_n_avg", "daric_mtaf", "daric_max_iters"),
     "cachetune": ("cachetune_r", "cachetune_alpha"),
+    "query_aware": ("qa_ratio", "qa_min_tokens", "qa_sink_tokens", "qa_layers"),
 }
 # Upper bounds keep one request from buying unbounded scheduler work (DARIC's merge
 # rounds, budgets far past any chunk) with a single number.
 MAX_BUDGET_TOKENS = 1 << 20
 MAX_DARIC_ITERS = 16
+MAX_QA_LAYERS = 16
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,13 @@ class PicConfig:
     cacheblend_ratio:  CacheBlend: fraction of reused tokens recomputed, in (0, 1].
     cachetune_r:       CacheTune: fraction of each chunk recomputed, in (0, 1].
     cachetune_alpha:   CacheTune: fraction of low-frequency rFFT bins kept, in (0, 1].
+    qa_ratio:          query_aware: fraction of reused tokens recomputed, in (0, 1].
+    qa_min_tokens:     query_aware: the budget is at least this many tokens per reused
+                       chunk (short chunks lose more to their boundaries than a fraction
+                       of their length covers).
+    qa_sink_tokens:    query_aware: first tokens of every reused chunk always recomputed
+                       (within the budget).
+    qa_layers:         query_aware: early layers whose question attention ranks tokens.
     segment_tokens:    longest cached segment (DARIC 3.3.2), tokens.
     page_size:         KV page size; chunk starts are padded to it.
     delimiter:         text marking chunk boundaries in plain-text prompts.
@@ -49,7 +58,7 @@ class PicConfig:
     min_chunk_tokens:  fewest tokens a chunk may have.
     """
 
-    policy: str = "daric"
+    policy: str = "query_aware"
     daric_r: float = 0.1
     daric_n_avg: float = 32.0
     daric_mtaf: str = "linear"
@@ -58,6 +67,10 @@ class PicConfig:
     cacheblend_ratio: float = 0.15
     cachetune_r: float = 0.15
     cachetune_alpha: float = 0.5
+    qa_ratio: float = 0.15
+    qa_min_tokens: int = 16
+    qa_sink_tokens: int = 1
+    qa_layers: int = 8
     segment_tokens: int = 256
     page_size: int = 1
     delimiter: str = "<|pic_chunk|>"
@@ -80,6 +93,11 @@ class PicConfig:
         _check_fraction("cacheblend_ratio", self.cacheblend_ratio)
         _check_fraction("cachetune_r", self.cachetune_r)
         _check_fraction("cachetune_alpha", self.cachetune_alpha)
+        _check_fraction("qa_ratio", self.qa_ratio)
+        _check_range("qa_min_tokens", self.qa_min_tokens, 0, MAX_BUDGET_TOKENS)
+        _check_range("qa_sink_tokens", self.qa_sink_tokens, 0, MAX_BUDGET_TOKENS)
+        # The probe's cost grows with its depth; past a few layers it is a second prefill.
+        _check_range("qa_layers", self.qa_layers, 1, MAX_QA_LAYERS)
         # n_avg = 0 would select nothing: that is full_reuse, asked for by name.
         _check_range("daric_n_avg", self.daric_n_avg, 0, MAX_BUDGET_TOKENS, low_open=True)
         _check_range("daric_max_iters", self.daric_max_iters, 0, MAX_DARIC_ITERS)
@@ -99,6 +117,7 @@ class PicConfig:
             self.policy == "full_recompute"
             or (self.policy == "cachetune" and self.cachetune_r == 1.0)
             or (self.policy == "cacheblend" and self.cacheblend_ratio == 1.0)
+            or (self.policy == "query_aware" and self.qa_ratio == 1.0)
         )
 
     def approximation_key(self) -> str:

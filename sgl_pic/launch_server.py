@@ -26,6 +26,10 @@ PIC_FLAGS: dict[str, str] = {
     "--pic-cacheblend-ratio": "cacheblend_ratio",
     "--pic-cachetune-r": "cachetune_r",
     "--pic-alpha": "cachetune_alpha",
+    "--pic-qa-ratio": "qa_ratio",
+    "--pic-qa-min-tokens": "qa_min_tokens",
+    "--pic-qa-sink-tokens": "qa_sink_tokens",
+    "--pic-qa-layers": "qa_layers",
     "--pic-segment-tokens": "segment_tokens",
     "--pic-delimiter": "delimiter",
     "--pic-max-chunks": "max_chunks",
@@ -46,6 +50,10 @@ def pic_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--pic-cacheblend-ratio", type=float, default=d.cacheblend_ratio)
     g.add_argument("--pic-cachetune-r", type=float, default=d.cachetune_r)
     g.add_argument("--pic-alpha", type=float, default=d.cachetune_alpha, help="CacheTune alpha")
+    g.add_argument("--pic-qa-ratio", type=float, default=d.qa_ratio, help="query_aware budget")
+    g.add_argument("--pic-qa-min-tokens", type=int, default=d.qa_min_tokens)
+    g.add_argument("--pic-qa-sink-tokens", type=int, default=d.qa_sink_tokens)
+    g.add_argument("--pic-qa-layers", type=int, default=d.qa_layers, help="query_aware probe depth")
     g.add_argument("--pic-segment-tokens", type=int, default=d.segment_tokens)
     g.add_argument("--pic-delimiter", default=d.delimiter)
     g.add_argument(
@@ -90,6 +98,13 @@ def pic_arg_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--pic-max-body-mb", type=int, default=64, help="largest request body")
     g.add_argument("--pic-max-json-depth", type=int, default=64, help="deepest JSON nesting")
+    g.add_argument(
+        "--pic-check",
+        action="store_true",
+        help="run the correctness gate (python -m sgl_pic.check) on the model first; reuse is "
+        "refused (exact prefill for every request) if it fails",
+    )
+    g.add_argument("--pic-check-out", default="", metavar="PATH", help="--pic-check's JSON")
     g.add_argument("--pic-disable", action="store_true", help="serve plain SGLang")
     return p
 
@@ -146,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         sglang_argv = with_cpu_defaults(sglang_argv)
     model_path = _flag_value(sglang_argv, "--model-path") or _flag_value(sglang_argv, "--model")
     assert model_path is not None
+    refused = "" if ns.pic_disable or not ns.pic_check else _model_check(model_path, config, ns)
     settings = PicServerSettings(
         config,
         model_path=model_path,
@@ -161,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         merge_gap=ns.pic_merge_gap,
         max_body_mb=ns.pic_max_body_mb,
         max_json_depth=ns.pic_max_json_depth,
+        refused=refused,
         secret=secrets.token_hex(32),
     )
     settings.to_env()
@@ -178,6 +195,19 @@ def main(argv: list[str] | None = None) -> None:
         http_ext.install(settings, tokenizer)
     load_plugins()
     run_server(prepare_server_args(sglang_argv))
+
+
+def _model_check(model_path: str, config: PicConfig, ns: argparse.Namespace) -> str:
+    """Runs the correctness gate; '' when the model passed, else why reuse is refused."""
+    from pathlib import Path
+
+    from sgl_pic.check import print_report, run_check, write_report
+
+    report = run_check(model_path, config)
+    print_report(report)
+    if ns.pic_check_out:
+        write_report(report, Path(ns.pic_check_out))
+    return "" if report.passed else f"the model failed --pic-check: {report.failures}"
 
 
 def _register_in_spawned_child() -> None:

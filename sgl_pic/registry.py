@@ -159,6 +159,7 @@ for _name, _target in (
     ("cacheblend", "sgl_pic.selection.cacheblend:CacheBlend"),
     ("daric", "sgl_pic.selection.daric:Daric"),
     ("cachetune", "sgl_pic.selection.cachetune:CacheTune"),
+    ("query_aware", "sgl_pic.selection.query_aware:QueryAware"),
 ):
     POLICIES.add_lazy(_name, _target)
 

@@ -90,6 +90,7 @@ def test_builtin_names() -> None:
         "cacheblend",
         "daric",
         "cachetune",
+        "query_aware",
     )
     assert set(STORES.names()) >= {"host", "disk", "tiered"}
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -24,8 +25,15 @@ class DeviationProbe:
     cut there (``ProbeDone``), so later layers never run and the pool is as it was
     (layer 0's K/V are context-free: fresh equals reused)."""
 
-    def __init__(self, pool: Any, slots: torch.Tensor, layer: int = 1) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        slots: torch.Tensor,  # [n] pool slots of the pass's tokens
+        layer: int = 1,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.pool = pool
+        self.reduce = reduce  # sums over tensor-parallel ranks (each holds its own heads)
         self.slots = slots.to(pool.get_key_buffer(layer).device)  # [n] pool slots
         self.layer = layer
         self._k_old = pool.get_key_buffer(layer)[self.slots].clone()
@@ -41,7 +49,8 @@ class DeviationProbe:
         v_new = vb[self.slots].reshape(n, -1).float()
         k_old = self._k_old.reshape(n, -1).float()
         v_old = self._v_old.reshape(n, -1).float()
-        self.deviation = ((k_new - k_old).norm(dim=1) + (v_new - v_old).norm(dim=1)).float()
+        dev = ((k_new - k_old).norm(dim=1) + (v_new - v_old).norm(dim=1)).float()
+        self.deviation = dev if self.reduce is None else self.reduce(dev)
         kb[self.slots] = self._k_old
         vb[self.slots] = self._v_old
         raise ProbeDone

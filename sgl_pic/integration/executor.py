@@ -44,7 +44,9 @@ from sgl_pic.integration.metrics import PicMetrics
 from sgl_pic.integration.phases import PhaseRunner, Run, SubRequest, runs_of
 from sgl_pic.integration.planner import ChunkLookup, RequestPlan
 from sgl_pic.integration.promoter import Promoter
+from sgl_pic.integration.query_probe import QueryProbe
 from sgl_pic.selection import cachetune_ranking
+from sgl_pic.selection.query_aware import query_positions
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,10 @@ class ChunkExecutor:
     ratios:    calibrated CacheTune r per tier ("device", "host", "disk"), or None.
     feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder").
     feed_timeout_s: longest wait for one layer of lower-tier KV (``FeedTimeout`` past it).
-    merge_gap: phase-2 runs separated by at most this many tokens are merged."""
+    merge_gap: phase-2 runs separated by at most this many tokens are merged.
+    reduce:    sums a device tensor over the tensor-parallel ranks, so that signals computed
+               from each rank's own heads (CacheBlend's deviation, the query probe) select
+               the same tokens everywhere; None on one rank."""
 
     def __init__(
         self,
@@ -80,6 +85,7 @@ class ChunkExecutor:
         feed_mode: str = "threaded",
         feed_timeout_s: float = 30.0,
         merge_gap: int = 0,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.config = settings_config
         self.nodes = nodes
@@ -91,6 +97,7 @@ class ChunkExecutor:
         self.feed_mode = feed_mode
         self.feed_timeout_s = feed_timeout_s
         self.merge_gap = merge_gap
+        self.reduce = reduce
         # Chunked requests of the batch being forwarded, by SGLang request id: set when the
         # batch is prepared (``plugin._after_prepare_for_extend``), emptied by ``forward``.
         self.handoff: dict[str, Pending] = {}
@@ -299,7 +306,10 @@ class ChunkExecutor:
         runs: dict[int, list[Run]] = {}
         for b, plan in plans.items():
             sel = planner.select(
-                plan, lambda plan=plan: self._deviation(stack, live, plan), self.ratios
+                plan,
+                lambda plan=plan: self._deviation(stack, live, plan),
+                self.ratios,
+                lambda plan=plan: self._query_attention(stack, live, plan),
             )
             runs[b] = runs_of(sel, self.merge_gap)
         self._fit(runs, plans, len(pool_idx) - len(plans))
@@ -392,7 +402,7 @@ class ChunkExecutor:
             plan.lower.clear()
         toks = plan.pending.token_ids
         n, p = len(toks), plan.prefix
-        probe = DeviationProbe(self.kv.pool, self._slots(plan, p))
+        probe = DeviationProbe(self.kv.pool, self._slots(plan, p), reduce=self.reduce)
         ids = torch.tensor(toks[p:], dtype=torch.int64, device=self.kv.device)
         phase = self.phases.prepare(live, [SubRequest(plan.pool_idx, p, n - p)], ids)
         self.phases.after_layer = [probe.after_layer]
@@ -409,6 +419,54 @@ class ChunkExecutor:
         fresh = plan.layout.fresh_indices()
         dev[torch.tensor(fresh, dtype=torch.int64)] = 0.0  # host: planning
         return dev
+
+    def _query_attention(self, stack: Stack, live: Any, plan: RequestPlan) -> torch.Tensor:
+        """The query-aware signal # [prompt_len] (``QueryProbe``): the tokens phase 2
+        computes whatever the policy says (fresh, forced, the last) run the first
+        ``qa_layers`` layers over the assembled KV. Lower-tier chunks get those layers
+        loaded whole first (in order, on this thread); phase 2 loads the rest sparsely."""
+        layers = min(plan.config.qa_layers, self.kv.num_layers)
+        if plan.lower:
+            none = torch.empty(0, dtype=torch.int64)  # host: planning, nothing recomputed
+            feed = self._feed(plan, none, mode="inorder")
+            try:
+                for layer in range(layers):
+                    feed.before_layer(layer)
+            finally:
+                feed.close()
+            self._count_loaded(feed)
+        n, p = plan.num_tokens, plan.prefix
+        assert plan.forced is not None
+        must = [plan.forced, torch.tensor(plan.layout.fresh_indices() + [n - 1])]  # host
+        idx = torch.unique(torch.cat(must).to(torch.int64))
+        idx = idx[idx >= p]
+        queries = query_positions(plan.layout, p)
+        rows = torch.searchsorted(idx, queries)
+        runs = runs_of(idx)
+        cap = self.phases.max_subrequests
+        gap = 1
+        while cap is not None and len(runs) > cap:
+            # Merged gaps run these layers too: their K/V there become recomputed ones.
+            runs = runs_of(idx, gap)
+            gap *= 2
+        if gap > 1:
+            idx = torch.cat([torch.arange(a, z) for a, z in runs])  # host: planning
+            rows = torch.searchsorted(idx, queries)
+        probe = QueryProbe(self.kv.pool, self._slots(plan), rows, queries, layers, self.reduce)
+        toks = torch.tensor(plan.pending.token_ids, dtype=torch.int64)  # host: planning
+        ids = toks[idx].to(self.kv.device)
+        subs = [SubRequest(plan.pool_idx, a, z - a) for a, z in runs]
+        phase = self.phases.prepare(live, subs, ids)
+        self.phases.after_attention = [probe.after_attention]
+        self.phases.after_layer = [probe.after_layer]
+        try:
+            self.phases.run(stack, phase)
+        except ProbeDone:
+            pass
+        finally:
+            self.phases.after_attention = []
+            self.phases.after_layer = []
+        return probe.scores
 
     def _count_loaded(self, feed: LayerFeed) -> None:
         self.metrics.bytes_loaded.inc(feed.bytes_moved)

@@ -105,14 +105,17 @@ def install(
     layer_start: Callable[[int], None],
     layer_end: Callable[[int], None],
     on_bypass: Callable[[Any], None] = lambda _fb: None,
+    attention_end: Callable[[int, Any, torch.Tensor], None] = lambda _i, _m, _q: None,
 ) -> None:
     """Wraps the runner's decoder stack and hooks its layers.
 
     on_extend(stack, input_ids, positions, forward_batch): hidden states for an extend
     batch, or None to let the stack run it as SGLang would; ``stack(ids, pos, fb)`` is the
-    stack's own forward. layer_start/layer_end(i) run around decoder layer i (they must
-    return quickly when no phase is running). on_bypass(fb): an extend batch the executor
-    cannot take (input embeddings, pipeline tensors) runs as SGLang would."""
+    stack's own forward. layer_start/layer_end(i) run around decoder layer i, and
+    attention_end(i, module, q) after its RadixAttention (``q``: its post-RoPE queries
+    # [n, num_heads * head_dim]); all must return quickly when no phase is running.
+    on_bypass(fb): an extend batch the executor cannot take (input embeddings, pipeline
+    tensors) runs as SGLang would."""
     stack = model_runner.model.model
     if getattr(stack, "_sgl_pic_wrapped", False):
         return
@@ -145,3 +148,13 @@ def install(
     for i, layer in enumerate(stack.layers):
         layer.register_forward_pre_hook(lambda _m, _a, i=i: layer_start(i))
         layer.register_forward_hook(lambda _m, _a, _o, i=i: layer_end(i))
+        for attn in radix_attentions(layer):
+            attn.register_forward_hook(
+                lambda m, a, kw, _o, i=i: attention_end(i, m, a[0] if a else kw["q"]),
+                with_kwargs=True,
+            )
+
+
+def radix_attentions(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The RadixAttention modules of one decoder layer (one in every covered model)."""
+    return [m for m in layer.modules() if type(m).__name__ == "RadixAttention"]

@@ -196,6 +196,8 @@ class PhaseRunner:
         self._groups: list[AttnGroup] | None = None  # row_groups of ``batch``, once built
         self.before_layer: list[Callable[[int], None]] = []
         self.after_layer: list[Callable[[int], None]] = []
+        # (layer, RadixAttention, its post-RoPE queries # [n, heads * head_dim])
+        self.after_attention: list[Callable[[int, Any, torch.Tensor], None]] = []
 
     def prepare(
         self, live: Any, subrequests: Sequence[SubRequest], input_ids: torch.Tensor
@@ -273,3 +275,10 @@ class PhaseRunner:
         """Called by the decoder-layer post-hook during a phase forward."""
         for fn in self.after_layer:
             fn(layer)
+
+    def attention_end(self, layer: int, module: Any, q: torch.Tensor) -> None:
+        """Called after decoder layer ``layer``'s RadixAttention during a phase forward."""
+        if self.batch is None:
+            return
+        for fn in self.after_attention:
+            fn(layer, module, q)

@@ -125,14 +125,18 @@ def select(
     plan: RequestPlan,
     deviation: Callable[[], torch.Tensor],
     ratios: dict[str, float] | None = None,
+    query_attention: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Global positions phase 2 recomputes (# [k] int64, sorted, all >= prefix): the
     policy's choice, finalised (fresh tokens, the last token), plus the forced ones.
-    ``deviation()`` is CacheBlend's online pass; only policies that need it call it."""
+    ``deviation()`` is CacheBlend's online pass and ``query_attention()`` the query-aware
+    probe; only policies that need them call them (inside the timed selection)."""
     t0 = time.perf_counter()
     plan.config = calibrated(plan, ratios)
     policy = make_policy(plan.config)
-    ctx = SelectionContext(plan.layout, tuple(plan.rankings), deviation, plan.prefix)
+    ctx = SelectionContext(
+        plan.layout, tuple(plan.rankings), deviation, plan.prefix, query_attention
+    )
     chosen = finalize(policy.select(ctx), plan.layout, plan.prefix).indices
     assert plan.forced is not None and plan.stats is not None
     sel = torch.unique(torch.cat([chosen, plan.forced]))

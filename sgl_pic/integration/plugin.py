@@ -63,7 +63,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.integration.gate import AdmissionGate
     from sgl_pic.integration.kv_access import KVAccess
     from sgl_pic.integration.metrics import PicMetrics
-    from sgl_pic.integration.model_hooks import check_support, install
+    from sgl_pic.integration.model_hooks import Support, check_support, install
     from sgl_pic.integration.model_rope import ModelRope, find_rotary, rope_spec
     from sgl_pic.integration.phases import PhaseRunner
     from sgl_pic.integration.settings import PicServerSettings
@@ -75,6 +75,8 @@ def build_tree_cache(ctx: Any) -> Any:
     # Checked before anything is built: a model or backend the method does not cover is
     # served exactly, with reuse off, a log line and a metric.
     support = check_support(ctx)
+    if support.ok and settings.refused:
+        support = Support("model_check", settings.refused)
     cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     fingerprint = server_fingerprint(ctx, cache_pool.dtype)
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
@@ -136,11 +138,19 @@ def build_tree_cache(ctx: Any) -> Any:
         feed_mode=settings.feed_mode,
         feed_timeout_s=settings.feed_timeout_s,
         merge_gap=settings.merge_gap,
+        reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
     )
     if shutdown is not None:
         # The promoter reads from the tiers: its worker is joined before they stop.
         shutdown.before.append(_executor.close)
-    install(runner, _on_extend, _phases.layer_start, _phases.layer_end, _on_bypass)
+    install(
+        runner,
+        _on_extend,
+        _phases.layer_start,
+        _phases.layer_end,
+        _on_bypass,
+        _phases.attention_end,
+    )
     signer = MarkSigner(settings.secret) if settings.secret else None
     _gate = AdmissionGate(settings.config, signer, vocab_size, metrics)
     logger.info(
@@ -293,3 +303,10 @@ def _torch_native_extend_hook(
 
     groups = _phases.row_groups()
     return torch_native_phase_extend(backend, q, k, v, layer, forward_batch, groups, save_kv_cache)
+
+
+def _tp_sum(t: torch.Tensor) -> torch.Tensor:
+    """# same shape as ``t``: its sum over the tensor-parallel ranks."""
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(t.clone())

@@ -36,6 +36,9 @@ class PicServerSettings:
                           only brings the result closer to exact); 0 keeps runs as selected.
     max_body_mb:          largest HTTP request body accepted (413 above it).
     max_json_depth:       deepest JSON nesting accepted in a request body (400 above it).
+    refused:              why chunk reuse is refused for this launch (a model that failed
+                          ``--pic-check``); every request then runs as exact prefill. ''
+                          when reuse is allowed.
     secret:               per-launch key that signs the chunk marks our HTTP translation
                           makes; the scheduler honours only marks it signed. Empty (SGLang's
                           own launcher) means no marks are honoured: reuse stays off.
@@ -53,6 +56,7 @@ class PicServerSettings:
     merge_gap: int = 0
     max_body_mb: int = 64
     max_json_depth: int = 64
+    refused: str = ""
     secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

@@ -41,6 +41,10 @@ OVERRIDABLE = frozenset(
         "cacheblend_ratio",
         "cachetune_r",
         "cachetune_alpha",
+        "qa_ratio",
+        "qa_min_tokens",
+        "qa_sink_tokens",
+        "qa_layers",
     }
 )
 

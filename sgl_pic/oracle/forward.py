@@ -11,6 +11,7 @@ selected token at that layer, and stale reused KV elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -120,10 +121,13 @@ def forward_tokens(
     slot_positions: torch.Tensor,  # [N] global position of every buffer slot
     keep_pre_rope: bool = False,
     num_layers: int | None = None,
+    on_queries: Callable[[int, torch.Tensor], None] | None = None,
 ) -> ForwardResult:
     """Run the first ``num_layers`` layers (all by default) for the given tokens,
     overwriting their K/V in ``kv`` at every layer run. Returns their residual stream
-    and, when every layer ran, their hidden states after the final norm."""
+    and, when every layer ran, their hidden states after the final norm.
+    ``on_queries(layer, q)`` sees each layer's post-RoPE queries (# [n, H, D]) once the
+    tokens' K/V of that layer are in ``kv``, before attention."""
     n_layers = w.num_layers if num_layers is None else num_layers
     h = F.embedding(token_ids, w.embed)
     pre: list[torch.Tensor] = []
@@ -136,6 +140,8 @@ def forward_tokens(
         k = apply_rope(k, positions, w.inv_freq, scale=w.rope_scale)
         kv.k[li, slots] = k.to(kv.k.dtype)
         kv.v[li, slots] = v.to(kv.v.dtype)
+        if on_queries is not None:
+            on_queries(li, q)
         attn = attention(w, q, kv.k[li], kv.v[li], positions, slot_positions)
         h = h + F.linear(attn, layer.o_proj, layer.o_bias)
         h = h + mlp(layer, rms_norm(h, layer.post_norm, w.rms_eps))

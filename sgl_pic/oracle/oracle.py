@@ -32,6 +32,7 @@ from sgl_pic.selection.base import (
     SelectionPolicy,
     finalize,
 )
+from sgl_pic.selection.query_aware import query_positions, question_attention
 
 
 class FullPrefill(NamedTuple):
@@ -167,6 +168,43 @@ class Oracle:
         return dev.to(torch.float32)
 
     @torch.inference_mode()
+    def query_attention(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        layout: PromptLayout,
+        assembled: KVCache,
+        num_layers: int,
+        prefix_hit: int = 0,
+    ) -> torch.Tensor:
+        """The query-aware signal, # [N]: the fresh tokens (and the last one) past the
+        prefix run the first ``num_layers`` layers over a copy of ``assembled``; the
+        question's queries (``query_positions``) score every slot at each of those layers
+        (``question_attention``), summed over them."""
+        n = token_ids.numel()
+        fresh = torch.tensor(layout.fresh_indices() + [n - 1], dtype=torch.int64)
+        idx = torch.unique(fresh[fresh >= prefix_hit])
+        queries = query_positions(layout, prefix_hit)
+        rows = torch.searchsorted(idx, queries)
+        work = assembled.clone()
+        total = torch.zeros(n)
+        layers = min(num_layers, self.w.num_layers)
+
+        def score(layer: int, q: torch.Tensor) -> None:  # q: [len(idx), H, D]
+            total.add_(question_attention(q[rows], work.k[layer], queries))
+
+        forward_tokens(
+            self.w,
+            token_ids[idx],
+            idx,
+            idx,
+            work,
+            torch.arange(n),
+            num_layers=layers,
+            on_queries=score,
+        )
+        return total
+
+    @torch.inference_mode()
     def recompute(
         self,
         token_ids: torch.Tensor,  # [N]
@@ -199,6 +237,9 @@ class Oracle:
             rankings=tuple(c.ranking for c in chunks),
             deviation=lambda: self.first_layer_deviation(token_ids, layout, assembled),
             prefix_hit=prefix_hit,
+            query_attention=lambda: self.query_attention(
+                token_ids, layout, assembled, policy.config.qa_layers, prefix_hit
+            ),
         )
         chosen = finalize(policy.select(ctx), layout, prefix_hit)
         return self.recompute(token_ids, assembled, chosen)

@@ -30,12 +30,19 @@ class SelectionContext(NamedTuple):
                    and only if the policy needs it. None when the executor cannot.
     prefix_hit:    tokens [0, prefix_hit) are resident as exact device prefix KV and
                    are never recomputed (hit-aware refinement).
+    query_attention: the query-aware signal: a callable that pushes the fresh tokens
+                   through the first ``qa_layers`` layers over the assembled KV and
+                   returns the question's attention to every token (# [num_tokens]
+                   float, ``query_aware.question_attention`` summed over those layers).
+                   Costly like ``deviation``: call once, only if needed; None when the
+                   executor cannot.
     """
 
     layout: PromptLayout
     rankings: tuple[torch.Tensor | None, ...] | None = None
     deviation: Callable[[], torch.Tensor] | None = None
     prefix_hit: int = 0
+    query_attention: Callable[[], torch.Tensor] | None = None
 
 
 class Selection(NamedTuple):
@@ -55,6 +62,7 @@ class SelectionPolicy(ABC):
     name: ClassVar[str]
     needs_ranking: ClassVar[bool] = False
     needs_deviation: ClassVar[bool] = False
+    needs_query_attention: ClassVar[bool] = False
 
     def __init__(self, config: PicConfig) -> None:
         self.config = config

@@ -158,6 +158,7 @@ def test_full_budget_equals_plain_prefill(family: Family, overrides: dict) -> No
         pytest.param({"policy": "epic", "epic_k": 4}, id="epic_k4"),
         pytest.param({"policy": "daric", "daric_n_avg": 8.0}, id="daric_n8"),
         pytest.param({"policy": "cacheblend", "cacheblend_ratio": 0.3}, id="cacheblend_0.3"),
+        pytest.param({"policy": "query_aware", "qa_ratio": 0.3}, id="query_aware_0.3"),
     ],
 )
 def test_partial_budget_matches_oracle(family: Family, oracle: Any, overrides: dict) -> None:

@@ -78,12 +78,13 @@ def test_exact_and_approximate_requests_never_share_a_namespace() -> None:
             ("full_recompute", {}),
             ("cachetune", {"cachetune_r": 1.0}),
             ("cacheblend", {"cacheblend_ratio": 1.0}),
+            ("query_aware", {"qa_ratio": 1.0}),
         ]
     }
     assert exact == {"sgl_pic:exact|"}
     approx = {
         namespace(PicConfig(**kw), None)
-        for kw in [{}, {"policy": "full_reuse"}, {"daric_n_avg": 64.0}, {"policy": "epic"}]
+        for kw in [{}, {"policy": "full_reuse"}, {"policy": "daric"}, {"policy": "epic"}]
     }
     assert len(approx) == 4 and not approx & exact
     # Settings a policy does not read do not split its namespace.

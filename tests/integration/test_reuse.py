@@ -125,6 +125,43 @@ def test_cacheblend_online_deviation_matches_oracle(server: Server) -> None:
         assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
 
 
+def test_query_aware_probe_matches_oracle(server: Server) -> None:
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.model.embedded import ensure_embedded_model
+    from sgl_pic.oracle import Oracle
+    from sgl_pic.selection import make_policy
+
+    config = PicConfig(policy="query_aware", qa_ratio=0.2, qa_sink_tokens=2, qa_layers=3)
+    toks, spans = chunked(["B", "D", "E"], "Which city has a port?", header="Gnu memo.\n")
+    req = body(toks, spans, n=1, policy="query_aware", qa_ratio=0.2, qa_sink_tokens=2, qa_layers=3)
+    req.update(return_logprob=True, top_logprobs_num=8)
+    before = server.metrics()
+    out, d = _delta(server, req)
+    after = server.metrics()
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert d["sgl_pic_failures_total"] == 0
+    recomputed = (
+        after["sgl_pic_recomputed_tokens_total"] - before["sgl_pic_recomputed_tokens_total"]
+    )
+
+    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
+    t = torch.tensor(toks)
+    layout = PromptLayout.from_spans(len(toks), spans)
+    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
+    res = oracle.reuse(t, layout, chunks, make_policy(config))
+    assert recomputed == res.computed.indices.numel()
+    ref = torch.log_softmax(res.logits.double(), -1)
+    for logprob, token_id, _ in out["meta_info"]["output_top_logprobs"][0]:
+        assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
+    # The probe's choice matters here: the oracle's sinks-only selection of the same size
+    # (no attention ranking) gives other logprobs.
+    sinks_only = make_policy(config.with_overrides(qa_sink_tokens=10_000))
+    other = torch.log_softmax(oracle.reuse(t, layout, chunks, sinks_only).logits.double(), -1)
+    top = out["meta_info"]["output_top_logprobs"][0]
+    assert max(abs(float(other[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
+
+
 @pytest.mark.parametrize(
     ("req", "needle"),
     [

@@ -1,4 +1,4 @@
-"""A multi-turn agent session under the default policy (DARIC) keeps its hits, and its
+"""A multi-turn agent session under DARIC keeps its hits, and its
 per-chunk budgets are monotone (DARIC Proposition 1 with hit-aware refinement).
 
 Turn 1 is [fresh header, tool-schema chunk, doc chunks, question 1]. Turn k + 1 is turn k's
@@ -71,7 +71,7 @@ class Turn(NamedTuple):
 def _config():  # type: ignore[no-untyped-def]
     from sgl_pic.config import PicConfig
 
-    return PicConfig(daric_n_avg=N_AVG)
+    return PicConfig(policy="daric", daric_n_avg=N_AVG)
 
 
 def _layout(turn: Turn):  # type: ignore[no-untyped-def]
@@ -94,7 +94,7 @@ def _extend(
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with launch("--pic-n-avg", str(N_AVG)) as s:
+    with launch("--pic-policy", "daric", "--pic-n-avg", str(N_AVG)) as s:
         yield s
 
 

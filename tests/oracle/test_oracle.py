@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -198,3 +200,32 @@ def test_batched_greedy_matches_on_the_real_model(real_oracle: Oracle, tokenizer
     one = real_oracle.generate(full.kv, full.logits, 8)
     batch = real_oracle.generate_batch([full.kv, full.kv], torch.stack([full.logits] * 2), 8)
     assert torch.equal(batch[0], one) and torch.equal(batch[1], one)
+
+
+def test_query_attention_at_layer_zero_is_the_question_scoring_the_assembled_keys(
+    tiny_oracle: Oracle,
+) -> None:
+    from sgl_pic.oracle.forward import project_qkv
+    from sgl_pic.rope import apply_rope
+    from sgl_pic.selection.query_aware import query_positions, question_attention
+
+    w = tiny_oracle.w
+    ids = _ids(52, seed=7)
+    layout = PromptLayout.from_spans(52, [[0, 12], [12, 30], [34, 46]])  # fresh 30-34, 46-52
+    chunks = [tiny_oracle.encode_chunk(ids[s.start : s.end]) for s in layout.chunks]
+    asm = tiny_oracle.assemble(ids, layout, chunks)
+    got = tiny_oracle.query_attention(ids, layout, asm, num_layers=1)
+    # Layer 0 needs no context: the fresh tokens' K and the question's q come from their
+    # embeddings alone.
+    fresh = torch.tensor(layout.fresh_indices())
+    q, k, _ = project_qkv(w, w.layers[0], torch.nn.functional.embedding(ids, w.embed))
+    keys = asm.k[0].clone()
+    keys[fresh] = apply_rope(k[fresh], fresh, w.inv_freq, scale=w.rope_scale)
+    qpos = query_positions(layout)
+    qq = apply_rope(q[qpos], qpos, w.inv_freq, scale=w.rope_scale)
+    assert torch.allclose(got, question_attention(qq, keys, qpos), atol=1e-5)
+    # Deeper layers add up: two layers score more mass than one.
+    two = tiny_oracle.query_attention(ids, layout, asm, num_layers=2)
+    assert math.isclose(float(two.sum()), 2 * float(got.sum()), rel_tol=1e-4)
+    # The assembled KV is not modified.
+    assert torch.equal(asm.k, tiny_oracle.assemble(ids, layout, chunks).k)

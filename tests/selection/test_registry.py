@@ -62,8 +62,14 @@ def test_every_policy_gives_valid_indices(name: str) -> None:
         torch.rand(s.length, generator=torch.Generator().manual_seed(1)) for s in layout.chunks
     )
     deviation = torch.rand(40, generator=torch.Generator().manual_seed(2))
-    ctx = SelectionContext(layout, rankings=rankings, deviation=lambda: deviation)
-    config = PicConfig(policy=name, daric_n_avg=4, epic_k=3)
+    attention = torch.rand(40, generator=torch.Generator().manual_seed(3))
+    ctx = SelectionContext(
+        layout,
+        rankings=rankings,
+        deviation=lambda: deviation,
+        query_attention=lambda: attention,
+    )
+    config = PicConfig(policy=name, daric_n_avg=4, epic_k=3, qa_min_tokens=2)
     idx = make_policy(config).select(ctx).indices
     assert idx.dtype == torch.int64
     assert torch.equal(idx, torch.unique(idx))

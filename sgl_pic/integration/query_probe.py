@@ -1,0 +1,71 @@
+"""The query-aware signal inside the server: the question's attention to the reused KV.
+
+A probe pass is an ordinary phase batch of the request's fresh tokens (and the tokens
+phase 2 must compute anyway) over its assembled KV. After each of the first ``layers``
+decoder layers' RadixAttention (by then the pass's own K/V of that layer are in the pool),
+the question's post-RoPE queries score the request's whole row of keys with
+``question_attention``, the definition the oracle uses too; after the last of those layers
+the pass is cut (``ProbeDone``), so the rest of the stack never runs. The probe writes only
+the pass's own slots at those layers, which phase 2 writes again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sgl_pic.integration.attention import ProbeDone
+from sgl_pic.selection.query_aware import question_attention
+
+
+class QueryProbe:
+    """pool:      SGLang's KV pool (MHATokenToKVPool).
+    key_slots:    # [num_tokens] pool slots of the request's positions 0..num_tokens-1.
+    query_rows:   # [q] rows of the question's tokens in the probe batch.
+    query_pos:    # [q] their positions.
+    layers:       decoder layers scored (0..layers-1).
+    reduce:       sums a tensor over tensor-parallel ranks (each rank holds its own heads);
+                  identity on one rank."""
+
+    def __init__(
+        self,
+        pool: Any,
+        key_slots: torch.Tensor,
+        query_rows: torch.Tensor,
+        query_pos: torch.Tensor,
+        layers: int,
+        reduce: Any = None,
+    ) -> None:
+        device = pool.get_key_buffer(0).device
+        self.pool = pool
+        self.key_slots = key_slots.to(device)
+        self.query_rows = query_rows.to(device)
+        self.query_pos = query_pos.to(device)
+        self.layers = layers
+        self.reduce = reduce
+        self._total = torch.zeros(key_slots.numel(), device=device)
+        self._seen: set[int] = set()
+
+    def after_attention(self, layer: int, module: Any, q: torch.Tensor) -> None:
+        if layer >= self.layers:
+            return
+        heads, dim = module.tp_q_head_num, module.qk_head_dim
+        qs = q.reshape(q.shape[0], heads, dim)[self.query_rows]
+        keys = self.pool.get_key_buffer(module.layer_id)[self.key_slots]
+        self._total += question_attention(qs, keys, self.query_pos, module.scaling)
+        self._seen.add(layer)
+
+    def after_layer(self, layer: int) -> None:
+        if layer == self.layers - 1:
+            raise ProbeDone
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """# [num_tokens] float32 on the host: the question's attention summed over the
+        layers and (across tensor-parallel ranks) every head."""
+        if self._seen != set(range(self.layers)):
+            missing = sorted(set(range(self.layers)) - self._seen)
+            raise RuntimeError(f"the query probe did not see the attention of layers {missing}")
+        total = self._total if self.reduce is None else self.reduce(self._total)
+        return total.cpu()

@@ -1,0 +1,120 @@
+"""Query-aware selection: recompute the reused tokens the fresh question attends to most.
+
+Sources:
+
+* ProphetKV (96-101% of full prefill at 20% recompute), A^3 and QCFuse select reused
+  tokens by the question's attention to them, not by how far their KV drifted;
+* EPIC: the first tokens of each chunk (the attention sink of its independent encoding)
+  matter most.
+
+Our diagnosis on SmolLM2 (``bench/results/diagnosis.md``) backs both: the first-token KL
+follows what the question reads, not where the reused KV is most wrong (deviation x
+attention beats deviation alone by 2x), and each chunk's first token keeps the sink keys
+of its independent encoding, which pull the question's deep-layer attention away from the
+real prefix.
+
+The signal (``ctx.query_attention``, supplied by the executor) is the question's attention
+to every prompt token at the first ``qa_layers`` layers, computed on the assembled
+(reused, re-rotated) KV by pushing only the fresh tokens through those layers: the
+question's queries are computed anyway, and early layers are nearly exact on reused KV
+(layer 0 is exact), so the ranking costs a fraction of a forward of the question.
+``question_attention`` is the one definition of that score; the oracle and the server's
+probe both call it.
+
+Candidates are the tokens whose reused KV is approximate (CacheBlend's
+``reused_candidates``: chunk tokens not at position 0, outside the device prefix). The
+budget is ceil(qa_ratio x candidates), but at least ``qa_min_tokens`` per candidate chunk
+(DARIC's per-chunk token budget as a floor: on chunks of a few dozen tokens a fraction
+leaves too little, see the gate's short prompts): first the ``qa_sink_tokens`` first
+tokens of every candidate chunk, then the highest-attention candidates, ties to the lower
+index.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sgl_pic.layout import PromptLayout
+from sgl_pic.selection.base import Selection, SelectionContext, SelectionPolicy, ceil_fraction
+from sgl_pic.selection.cacheblend import reused_candidates
+from sgl_pic.selection.registry import register_policy
+
+
+@register_policy
+class QueryAware(SelectionPolicy):
+    """Per-chunk sinks, then the top ``qa_ratio`` of the reused tokens by the question's
+    early-layer attention."""
+
+    name = "query_aware"
+    needs_query_attention = True
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        if ctx.query_attention is None:
+            raise ValueError(
+                "query_aware needs ctx.query_attention (the question's early-layer attention "
+                "to the prompt); this executor does not provide it"
+            )
+        candidates = reused_candidates(ctx)
+        if candidates.numel() == 0:
+            return Selection(torch.empty(0, dtype=torch.int64))
+        chunks = chunk_sinks(ctx, 1).numel()
+        floor = min(candidates.numel(), self.config.qa_min_tokens * chunks)
+        count = max(ceil_fraction(self.config.qa_ratio, candidates.numel()), floor)
+        sinks = chunk_sinks(ctx, self.config.qa_sink_tokens)[:count]
+        rest = candidates[~torch.isin(candidates, sinks)]
+        take = count - sinks.numel()
+        if take <= 0 or rest.numel() == 0:
+            return Selection(torch.sort(sinks).values)
+        scores = ctx.query_attention().detach().to("cpu", torch.float64)
+        if scores.shape != (ctx.layout.num_tokens,):
+            raise ValueError(
+                f"query_attention must have shape ({ctx.layout.num_tokens},), "
+                f"got {tuple(scores.shape)}"
+            )
+        order = torch.sort(scores[rest], descending=True, stable=True).indices
+        return Selection(torch.sort(torch.cat([sinks, rest[order[:take]]])).values)
+
+
+def chunk_sinks(ctx: SelectionContext, per_chunk: int) -> torch.Tensor:
+    """# [k] int64: the first ``per_chunk`` tokens of every candidate chunk (see the module
+    doc), chunks in prompt order, so a budget smaller than all sinks keeps the earliest."""
+    out: list[torch.Tensor] = []
+    for span in ctx.layout.chunks:
+        start = max(span.start, ctx.prefix_hit)
+        if span.start == 0 or start > span.start:
+            continue  # exact prefix KV, or partly device prefix (recomputed anyway)
+        out.append(torch.arange(span.start, min(span.end, span.start + per_chunk)))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+
+
+def query_positions(layout: PromptLayout, prefix_hit: int = 0) -> torch.Tensor:
+    """# [q] int64 positions whose queries score the prompt: the fresh tokens after the last
+    chunk (the question), or the last token when the prompt ends inside a chunk."""
+    last_end = max((s.end for s in layout.chunks), default=0)
+    fresh = torch.tensor(layout.fresh_indices(), dtype=torch.int64)
+    tail = fresh[(fresh >= last_end) & (fresh >= prefix_hit)]
+    if tail.numel() == 0:
+        return torch.tensor([layout.num_tokens - 1], dtype=torch.int64)
+    return tail
+
+
+def question_attention(
+    q: torch.Tensor,  # [num_queries, num_heads, head_dim] post-RoPE queries
+    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim] post-RoPE keys, key j at position j
+    q_pos: torch.Tensor,  # [num_queries] int64 positions of the queries
+    scale: float | None = None,
+) -> torch.Tensor:
+    """# [num_keys] float32: softmax attention of each query head to each key (a query sees
+    positions <= its own), summed over heads and queries. Sums, not means, so a tensor-
+    parallel rank's partial over its own heads adds up to the whole."""
+    nq, heads, dim = q.shape
+    group = heads // k.shape[1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    qq = q.to(torch.float32).reshape(nq, k.shape[1], group, dim)
+    kk = k.to(torch.float32)
+    logits = torch.einsum("qhgd,khd->hgqk", qq, kk) * scale  # [Hkv, g, nq, N]
+    visible = torch.arange(k.shape[0], device=k.device)[None, :] <= q_pos.to(k.device)[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
