@@ -51,8 +51,16 @@ VOCAB = 49152  # the embedded SmolLM2's vocabulary
 DELIM = "<|pic_chunk|>"
 MAX_BODY_MB = 1
 LOGPROB_TOL = 1e-4
-POLICIES = ("full_recompute", "full_reuse", "epic", "cacheblend", "daric", "cachetune")
-APPROXIMATE = ("full_reuse", "epic", "cacheblend", "daric", "cachetune")
+POLICIES = (
+    "full_recompute",
+    "full_reuse",
+    "epic",
+    "cacheblend",
+    "daric",
+    "cachetune",
+    "query_aware",
+)
+APPROXIMATE = ("full_reuse", "epic", "cacheblend", "daric", "cachetune", "query_aware")
 NUMERIC_SETTINGS = (
     "daric_r",
     "daric_n_avg",
@@ -61,6 +69,10 @@ NUMERIC_SETTINGS = (
     "cacheblend_ratio",
     "cachetune_r",
     "cachetune_alpha",
+    "qa_ratio",
+    "qa_min_tokens",
+    "qa_sink_tokens",
+    "qa_layers",
 )
 JSON_HEADERS = {"content-type": "application/json"}
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
@@ -311,6 +323,10 @@ VALID_SETTINGS: dict[str, st.SearchStrategy[Any]] = {
     "cacheblend_ratio": _float(0.05, 1.0),
     "cachetune_r": _float(0.05, 1.0),
     "cachetune_alpha": _float(0.05, 1.0),
+    "qa_ratio": _float(0.05, 1.0),
+    "qa_min_tokens": st.integers(0, 64),
+    "qa_sink_tokens": st.integers(0, 8),
+    "qa_layers": st.integers(1, 16),
 }
 
 
@@ -656,7 +672,7 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "string": st.sampled_from(["0.5", "", "32"]),
     "null_or_list": st.sampled_from([None, [], {}, [0.5]]),
 }
-FRACTIONS = ("daric_r", "cacheblend_ratio", "cachetune_r", "cachetune_alpha")
+FRACTIONS = ("daric_r", "cacheblend_ratio", "cachetune_r", "cachetune_alpha", "qa_ratio")
 
 
 @st.composite

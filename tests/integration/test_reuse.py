@@ -1,4 +1,4 @@
-"""Chunk reuse through the server (default policy daric): hits in any order, DARIC's
+"""Chunk reuse through the server (the default policy): hits in any order, DARIC's
 [B, A, D, C] example, last-token logits against the oracle, and bad input over HTTP."""
 
 from __future__ import annotations
