@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_path = args.model or _embedded_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
-    examples = load_rag_examples(args.data)[: args.examples]
+    examples = load_rag_examples(args.data)[args.first : args.first + args.examples]
     base = PicConfig()
     alpha = base.cachetune_alpha
     all_variants = variants(not args.no_sweep)
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             rows.append(
                 {
-                    "example": ex_i,
+                    "example": args.first + ex_i,
                     "variant": var.label,
                     "policy": var.policy,
                     "default": var.is_default,
@@ -262,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(model_path),
         "data": str(args.data),
         "examples": len(examples),
+        "first": args.first,
         "passages": args.passages,
         "passage_tokens": args.passage_tokens,
         "new_tokens": args.new_tokens,
@@ -274,8 +275,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows, all_variants + ([ORACLE_VARIANT] if args.oracle_selection else [])
         ),
         "cachetune_recall": {key: statistics.fmean(r[key] for r in recalls) for key in recalls[0]},
+        "cachetune_recall_rows": recalls,
         "rows": rows,
     }
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs over disjoint example ranges of one commit and settings (runs
+    side by side use the cores a single run leaves idle); wall_s is the longest part's."""
+    same = ("commit", "model", "data", "passages", "passage_tokens", "new_tokens", "threads")
+    for part in parts[1:]:
+        for key in same:
+            if part[key] != parts[0][key]:
+                raise ValueError(f"parts differ in {key}: {part[key]!r} vs {parts[0][key]!r}")
+    seen = [r["example"] for part in parts for r in part["rows"] if r["variant"] == "full_reuse"]
+    if len(seen) != len(set(seen)):
+        raise ValueError("parts overlap in examples")
+    out = dict(parts[0])
+    rows = [r for part in parts for r in part["rows"]]
+    recalls = [r for part in parts for r in part["cachetune_recall_rows"]]
+    variants_ = [Variant(s["variant"], s["policy"], (), s["default"]) for s in out["summary"]]
+    out.update(
+        examples=sum(part["examples"] for part in parts),
+        first=min(part["first"] for part in parts),
+        wall_s=max(part["wall_s"] for part in parts),
+        parts=len(parts),
+        summary=summarize(rows, variants_),
+        cachetune_recall={k: statistics.fmean(r[k] for r in recalls) for k in recalls[0]},
+        cachetune_recall_rows=recalls,
+        rows=rows,
+    )
+    return out
 
 
 def _ranking_recall(
@@ -410,11 +440,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"add the oracle selection at {TARGET_BUDGET:.0%} (needs bench/diagnose.py)",
     )
+    p.add_argument("--first", type=int, default=0, help="index of the first example")
+    p.add_argument(
+        "--merge", type=Path, nargs="+", default=None, help="merge these results into --out"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fidelity.json")
     args = p.parse_args(argv)
-    if args.examples < 1 or args.passages < 1:
-        p.error("--examples and --passages must be >= 1")
-    result = run(args)
+    if args.examples < 1 or args.passages < 1 or args.first < 0:
+        p.error("--examples and --passages must be >= 1, --first >= 0")
+    if args.merge:
+        result = merge([json.loads(path.read_text()) for path in args.merge])
+    else:
+        result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
