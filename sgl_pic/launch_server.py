@@ -99,6 +99,13 @@ def pic_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--pic-max-body-mb", type=int, default=64, help="largest request body")
     g.add_argument("--pic-max-json-depth", type=int, default=64, help="deepest JSON nesting")
     g.add_argument(
+        "--pic-shared-store",
+        default="",
+        metavar="URL",
+        help="chunk tier shared by several servers, e.g. mooncake://HOST:PORT "
+        "(started by scripts/shared_store.sh); '' (default): off",
+    )
+    g.add_argument(
         "--pic-check",
         action="store_true",
         help="run the correctness gate (python -m sgl_pic.check) on the model first; reuse is "
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         merge_gap=ns.pic_merge_gap,
         max_body_mb=ns.pic_max_body_mb,
         max_json_depth=ns.pic_max_json_depth,
+        shared_store=ns.pic_shared_store,
         refused=refused,
         secret=secrets.token_hex(32),
     )

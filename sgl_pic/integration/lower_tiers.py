@@ -1,14 +1,16 @@
-"""The host and disk tiers under the device chunk nodes, as the executor uses them.
+"""The host, disk and shared tiers under the device chunk nodes, as the executor uses them.
 
 Records there hold keys before RoPE (CacheTune B.3), under a fingerprint with
 ``pre_rope=True``, so their keys never collide with the device nodes' post-RoPE ones. New
 chunks are written through to host memory when phase 1 computes them (the host's writer
-thread then puts them on disk, off the request's path); a lower-tier hit is loaded
-sparsely, layer by layer, only the tokens not recomputed (``LayerFeed``).
+thread then puts them on disk, off the request's path, and a second thread into the
+shared tier when there is one); a lower-tier hit is loaded sparsely, layer by layer, only
+the tokens not recomputed (``LayerFeed``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -19,7 +21,10 @@ from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
 from sgl_pic.rope import RopeLayout, rotate_layers
 from sgl_pic.store.base import ChunkKV
 from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
+from sgl_pic.store.shared import SharedStore
 from sgl_pic.store.tiered import ShutdownReport, Tier, TieredStore
+
+logger = logging.getLogger(__name__)
 
 
 class QueueDropMetrics(Protocol):
@@ -28,17 +33,32 @@ class QueueDropMetrics(Protocol):
     queue_drops: Any  # prometheus Counter, label "queue"
 
 
-class LowerHit(NamedTuple):
-    """A chunk all of whose segments are in host memory or on disk.
+class SharedTierMetrics(Protocol):
+    """The part of ``PicMetrics`` that ``export_shared_stats`` writes."""
 
-    tier:    the slowest tier any segment is read from ("host" or "disk").
+    shared_store_up: Any  # prometheus Gauge
+    shared_store_unreachable: Any  # prometheus Counter
+    shared_writes: Any  # prometheus Counter, label "outcome"
+
+    def note_shared_hits(self, n: int) -> None: ...
+
+
+class LowerHit(NamedTuple):
+    """A chunk all of whose segments are in host memory, on disk or in the shared tier.
+
+    tier:    the slowest tier any segment is read from ("host" or "disk"). A chunk read
+             partly from the shared tier says "disk": the planner's tier table has no
+             "shared" row, so ``shared`` tells them apart and the metrics get the split
+             through ``export_shared_stats``.
     keys:    the segments' keys, in order.
     ranking: # [n] the chunk's CacheTune ranking, or None if a segment has none.
+    shared:  whether any segment is read from the shared tier.
     """
 
     tier: Tier
     keys: tuple[SegmentKey, ...]
     ranking: torch.Tensor | None
+    shared: bool = False
 
 
 class LowerTiers:
@@ -68,11 +88,15 @@ class LowerTiers:
         self.loader = SparseLoader(store, inv_freq, LoaderConfig(layout, device))
         self._drops_seen: dict[str, int] = {}
         self._export_lock = threading.Lock()
+        self._shared_hits = 0  # shared-tier chunk hits matched since the last export
+        self._shared_seen: dict[str, int] = {}
+        self._shared_listening = False
 
     def export_stats(self, metrics: QueueDropMetrics) -> dict[str, int]:
         """Adds to ``metrics.queue_drops{queue}`` the jobs each background queue refused
         since the last call (full, or shut down); returns those gains. The label is the
-        store's queue name ("writeback", "tier_promotion"). Safe from any thread; call it
+        store's queue name ("writeback", "tier_promotion", "shared_write"). With a
+        shared tier, also ``export_shared_stats``. Safe from any thread; call it
         after each batch, like ``record_store_errors``."""
         gained: dict[str, int] = {}
         with self._export_lock:
@@ -82,7 +106,47 @@ class LowerTiers:
                 if delta > 0:
                     metrics.queue_drops.labels(queue=name).inc(delta)
                     gained[name] = delta
+        if self.store.shared is not None:
+            # The executor calls only this after a batch; with a shared tier its metrics
+            # object is the full ``PicMetrics``.
+            self.export_shared_stats(metrics)  # type: ignore[arg-type]
         return gained
+
+    def export_shared_stats(self, metrics: SharedTierMetrics) -> None:
+        """The shared tier's link state, outages and write outcomes since the last call,
+        and how many of the chunk hits about to be recorded came from it (call it after
+        each batch, before its requests' stats are recorded). No-op without the tier."""
+        shared = self.store.shared
+        if shared is None:
+            return
+        self._export_shared_counts(metrics)
+        with self._export_lock:
+            hits, self._shared_hits = self._shared_hits, 0
+            listen = not self._shared_listening
+            self._shared_listening = True
+        if listen:
+            # Writes finish after their batch was exported: from now on each one exports
+            # the counts itself, so a write's outcome shows without a later request.
+            shared.on_write(lambda: self._export_shared_counts(metrics))
+        metrics.note_shared_hits(hits)
+
+    def _export_shared_counts(self, metrics: SharedTierMetrics) -> None:
+        """Link state, outages and write outcomes gained since the last export."""
+        shared = self.store.shared
+        assert shared is not None
+        with self._export_lock:
+            link = shared.link_stats()
+            metrics.shared_store_up.set(1 if link.up else 0)
+            totals = {"outages": link.outages, **shared.write_counts()}
+            for name, total in totals.items():
+                delta = total - self._shared_seen.get(name, 0)
+                self._shared_seen[name] = total
+                if delta <= 0:
+                    continue
+                if name == "outages":
+                    metrics.shared_store_unreachable.inc(delta)
+                else:
+                    metrics.shared_writes.labels(outcome=name).inc(delta)
 
     def shutdown(self, timeout_s: float, stop: threading.Event | None = None) -> ShutdownReport:
         """``TieredStore.shutdown``: queued disk writes finish within ``timeout_s`` or are
@@ -101,16 +165,20 @@ class LowerTiers:
         rankings: list[torch.Tensor | None] = []
         for k in keys:
             tier = self.store.locate(k.digest)
-            if tier not in ("host", "disk"):
+            if tier not in ("host", "disk", "shared"):
                 return None
             peek = self.store.peek_ranking(k.digest, token_ids[k.start : k.end])
             if peek is None:
                 return None
             tiers.append(tier)
             rankings.append(peek.ranking)
-        slowest: Tier = "disk" if "disk" in tiers else "host"
+        shared = "shared" in tiers
+        slowest: Tier = "disk" if shared or "disk" in tiers else "host"
         ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
-        return LowerHit(slowest, keys, ranking)
+        if shared:
+            with self._export_lock:
+                self._shared_hits += 1
+        return LowerHit(slowest, keys, ranking, shared)
 
     def placements(
         self,
@@ -170,3 +238,14 @@ class LowerTiers:
         positions = torch.arange(k_pre.shape[1], device=k_pre.device)
         k_post = rotate_layers(k_pre, positions, self.inv_freq, self.layout)
         return torch.stack([k_post, torch.cat(vs, dim=1).to(k_post.dtype)], dim=1)
+
+
+def open_shared_tier(url: str, model_digest: str) -> SharedStore:
+    """The shared tier at ``url`` for records of ``model_digest`` (the pre-RoPE
+    fingerprint's digest). Never waits for the store: it is joined in the background, and
+    until then (and whenever it is down) lookups miss and writes are skipped, counted,
+    with one log line per outage."""
+    from sgl_pic.store.shared import SharedStoreConfig
+
+    logger.info("sgl_pic: shared chunk tier at %s", url)
+    return SharedStore(SharedStoreConfig(url), model_digest)

@@ -29,7 +29,7 @@ class RequestStats(NamedTuple):
     selection_seconds: float
     device_hits: int = 0  # reused chunks found in chunk nodes
     host_hits: int = 0  # ... in host memory
-    disk_hits: int = 0  # ... on disk
+    disk_hits: int = 0  # ... on disk (the shared tier's included, see note_shared_hits)
     prefix_hit_tokens: int = 0  # DARIC's L_hit = max(L_gpu, L_cont)
 
 
@@ -136,6 +136,23 @@ class PicMetrics:
             ["reason"],
             multiprocess_mode="mostrecent",
         )
+        self.shared_store_up = Gauge(
+            "sgl_pic_shared_store_up",
+            "1 while the shared chunk tier (--pic-shared-store) is reachable",
+            multiprocess_mode="mostrecent",
+        )
+        self.shared_store_unreachable = Counter(
+            "sgl_pic_shared_store_unreachable",
+            "Times the shared chunk tier became unreachable (the server kept serving from "
+            "its own tiers)",
+        )
+        self.shared_writes = Counter(
+            "sgl_pic_shared_writes",
+            "Chunk writes to the shared tier by outcome (stored; present: another server had "
+            "stored it; failed; skipped: store down)",
+            ["outcome"],
+        )
+        self._shared_pending = 0
         self._errors_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
             "sgl_pic_last_hit_rate",
@@ -161,13 +178,22 @@ class PicMetrics:
         self.selection.observe(s.selection_seconds)
         self.tier_hits.labels(tier="device").inc(s.device_hits)
         self.tier_hits.labels(tier="host").inc(s.host_hits)
-        self.tier_hits.labels(tier="disk").inc(s.disk_hits)
+        # The planner counts shared-tier hits as disk hits; the lower tiers said how many.
+        shared = min(self._shared_pending, s.disk_hits)
+        self._shared_pending -= shared
+        self.tier_hits.labels(tier="disk").inc(s.disk_hits - shared)
+        self.tier_hits.labels(tier="shared").inc(shared)
         self.prefix_hit_tokens.inc(s.prefix_hit_tokens)
         if s.chunks:
             hits = s.contiguous_hits + s.disjoint_hits + s.device_prefix_chunks
             self.hit_rate.set(hits / s.chunks)
         if s.new_tokens:
             self.recomputed_fraction.set(s.recomputed_tokens / s.new_tokens)
+
+    def note_shared_hits(self, n: int) -> None:
+        """Of the disk hits in the requests recorded next (this batch's), ``n`` came
+        from the shared tier; replaces what an earlier batch left unclaimed."""
+        self._shared_pending = max(0, n)
 
     def record_store_errors(self, errors: Mapping[str, int]) -> None:
         """Adds what the tiers' cumulative error counts gained since the last call."""

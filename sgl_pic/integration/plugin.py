@@ -198,7 +198,12 @@ def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, metric
     # make every promotion a wasted full read.
     has_host = settings.host_cache_mb > 0
     config = TieredStoreConfig(host, disk, promote_on_get=has_host, promote_on_get_layers=has_host)
-    store = TieredStore(config, pre.digest())
+    shared = None
+    if getattr(settings, "shared_store", ""):
+        from sgl_pic.integration.lower_tiers import open_shared_tier
+
+        shared = open_shared_tier(settings.shared_store, pre.digest())
+    store = TieredStore(config, pre.digest(), shared=shared)
     # Loads land in host memory; on a GPU the layer feed stages them through pinned memory
     # and copies them on a side stream, one event per layer (``layer_feed``).
     lower = LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device="cpu")

@@ -36,6 +36,9 @@ class PicServerSettings:
                           only brings the result closer to exact); 0 keeps runs as selected.
     max_body_mb:          largest HTTP request body accepted (413 above it).
     max_json_depth:       deepest JSON nesting accepted in a request body (400 above it).
+    shared_store:         URL of a chunk store shared by several servers (e.g.
+                          ``mooncake://HOST:PORT``, see ``sgl_pic.store.object_backend``);
+                          "" turns the shared tier off.
     refused:              why chunk reuse is refused for this launch (a model that failed
                           ``--pic-check``); every request then runs as exact prefill. ''
                           when reuse is allowed.
@@ -56,6 +59,7 @@ class PicServerSettings:
     merge_gap: int = 0
     max_body_mb: int = 64
     max_json_depth: int = 64
+    shared_store: str = ""
     refused: str = ""
     secret: str = field(default="", repr=False)
 
@@ -76,12 +80,16 @@ class PicServerSettings:
             raise ValueError(f"merge_gap must be an int in [0, 4096], got {self.merge_gap!r}")
         if self.max_body_mb < 1 or self.max_json_depth < 4:
             raise ValueError("max_body_mb must be >= 1 and max_json_depth >= 4")
+        if self.shared_store:
+            from sgl_pic.store.object_backend import StoreAddress
+
+            StoreAddress.parse(self.shared_store)  # ValueError naming what is wrong
         if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):
             raise ValueError("calibration picks r per host/disk tier: enable one of them")
 
     @property
     def has_lower_tiers(self) -> bool:
-        return self.host_cache_mb > 0 or bool(self.disk_cache_dir)
+        return self.host_cache_mb > 0 or bool(self.disk_cache_dir) or bool(self.shared_store)
 
     def to_env(self) -> None:
         data = asdict(self)

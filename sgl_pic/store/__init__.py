@@ -1,5 +1,6 @@
-"""Chunk KV store: host and disk tiers, the on-disk format, sparse loading with deferred
-RoPE, and CacheTune's recompute-ratio cost model. The per-layer pipeline that loads lower
+"""Chunk KV store: host and disk tiers, a shared tier on a distributed store (Mooncake),
+the on-disk format, sparse loading with deferred RoPE, and CacheTune's recompute-ratio
+cost model. The per-layer pipeline that loads lower
 tiers during the forward is ``sgl_pic.integration.layer_feed.LayerFeed``."""
 
 from sgl_pic.store.base import (
@@ -42,6 +43,8 @@ from sgl_pic.store.loader import (
     SparseLoader,
     complement,
 )
+from sgl_pic.store.shared import SharedStore, SharedStoreConfig
+from sgl_pic.store.store_link import LinkConfig
 from sgl_pic.store.tiered import DeviceTier, TieredStore, TieredStoreConfig
 
 __all__ = [
@@ -60,12 +63,15 @@ __all__ = [
     "HostStore",
     "HostStoreConfig",
     "LayerKV",
+    "LinkConfig",
     "LoadStats",
     "LoadedLayer",
     "LoaderConfig",
     "RecordShapeError",
     "SearchConfig",
     "SearchResult",
+    "SharedStore",
+    "SharedStoreConfig",
     "SparseLoader",
     "StoreError",
     "StoreStats",

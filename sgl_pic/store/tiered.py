@@ -1,5 +1,10 @@
-"""Host + disk as one store: demotion of evicted host records to disk, write-back of
-new records, and promotion of disk hits into host memory.
+"""Host + disk (+ an optional shared tier below them) as one store: demotion of evicted
+host records to disk, write-back of new records, and promotion of disk and shared hits
+into host memory.
+
+The shared tier (``sgl_pic.store.shared``, a store several servers use) is the last one
+looked up; new records are written to it asynchronously as well as to host memory, so a
+chunk one server computed is a hit on the others.
 
 The device (GPU) tier belongs to the SGLang integration: it demotes by calling ``put``
 with a record copied to the host, and may report residency through ``DeviceTier`` so
@@ -35,8 +40,9 @@ from sgl_pic.store.host import (
     WriteBackConfig,
     WriteBackStats,
 )
+from sgl_pic.store.shared import SharedStore
 
-Tier = Literal["device", "host", "disk"]
+Tier = Literal["device", "host", "disk", "shared"]
 
 
 class RankingPeek(NamedTuple):
@@ -62,6 +68,7 @@ class ShutdownReport(NamedTuple):
     promotions_dropped: int
     joined: bool
     seconds: float
+    shared_dropped: int = 0  # queued writes to the shared tier not run
 
 
 class DeviceTier(Protocol):
@@ -95,9 +102,10 @@ class TieredStoreConfig:
 
 @register_store
 class TieredStore(ChunkStore):
-    """Lookups try host memory, then disk; a disk hit is promoted to host memory. New
-    records enter host memory and reach disk through the host's write-back thread.
-    Stats are the host's and the disk's, summed (``tier_stats`` gives them apart)."""
+    """Lookups try host memory, then disk, then the shared tier if there is one; a disk
+    or shared hit is promoted to host memory. New records enter host memory and reach
+    disk through the host's write-back thread, and the shared tier through its own.
+    Stats are the tiers', summed (``tier_stats`` gives them apart)."""
 
     name: ClassVar[str] = "tiered"
 
@@ -106,10 +114,16 @@ class TieredStore(ChunkStore):
         config: TieredStoreConfig,
         model_digest: str,
         device: DeviceTier | None = None,
+        shared: SharedStore | None = None,
     ) -> None:
+        """shared: the shared tier, built for the same ``model_digest``; owned (closed
+        and shut down) by this store from now on."""
         self.config = config
         self.model_digest = check_key(model_digest)
+        if shared is not None and shared.model_digest != self.model_digest:
+            raise ValueError("the shared tier was built for another model fingerprint")
         self.device = device
+        self.shared = shared
         self.disk = DiskStore(config.disk, model_digest)
         self.host = HostStore(config.host, model_digest, write_back_to=self.disk.put)
         self._promoter = WriteBack(WriteBackConfig(config.promotion_queue), "sgl-pic-promote")
@@ -124,9 +138,13 @@ class TieredStore(ChunkStore):
             return "host"
         if self.disk.contains(key):
             return "disk"
+        if self.shared is not None and self.shared.contains(key):
+            return "shared"
         return None
 
     def contains(self, key: str) -> bool:
+        """Held in host memory or on disk (the shared tier is not asked: a network call,
+        and its writes de-duplicate themselves)."""
         return self.host.contains(key) or self.disk.contains(key)
 
     def peek_ranking(self, key: str, token_ids: Sequence[int] | None = None) -> RankingPeek | None:
@@ -143,6 +161,10 @@ class TieredStore(ChunkStore):
             header = self.disk.peek_header(key, token_ids)
             if header is not None:
                 return RankingPeek(header.ranking)
+        if self.shared is not None:
+            ranking = self.shared.peek_ranking(key, token_ids)
+            if ranking is not False:
+                return RankingPeek(ranking)  # type: ignore[arg-type]  # a tensor or None
         return None
 
     def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
@@ -151,8 +173,10 @@ class TieredStore(ChunkStore):
             if record is not None:
                 return record
         record = self.disk.get(key, token_ids)
+        if record is None and self.shared is not None:
+            record = self.shared.get(key, token_ids)
         if record is not None and self.config.promote_on_get:
-            # Already on disk: no write-back of the promoted copy.
+            # Already on disk or shared: no write-back of the promoted copy.
             self.host.insert(record, write_back=False)
         return record
 
@@ -168,6 +192,8 @@ class TieredStore(ChunkStore):
             if part is not None:
                 return part
         part = self.disk.get_layers(key, layers, token_indices, token_ids)
+        if part is None and self.shared is not None:
+            part = self.shared.get_layers(key, layers, token_indices, token_ids)
         if part is not None and self.config.promote_on_get_layers:
             self._queue_promotion(key, token_ids)
         return part
@@ -182,6 +208,8 @@ class TieredStore(ChunkStore):
             try:
                 if not self.host.contains(key):
                     record = self.disk.get(key, token_ids)
+                    if record is None and self.shared is not None:
+                        record = self.shared.get(key, token_ids)
                     if record is not None:
                         self.host.insert(record, write_back=False)
             finally:
@@ -194,14 +222,16 @@ class TieredStore(ChunkStore):
 
     def put(self, record: ChunkKV) -> bool:
         """Held in host memory (write-back to disk follows), or, when host memory cannot
-        take it, written to disk directly."""
+        take it, written to disk directly. Also queued for the shared tier (never
+        waited for); True when a local tier keeps it or the shared write was queued."""
+        shared = self.shared is not None and self.shared.put(record)
         if self.host.put(record):
             return True
         try:
-            return self.disk.put(record)
+            return self.disk.put(record) or shared
         except WriteCancelled:
             # ``shutdown`` stopped this direct write mid-way; it left no file.
-            return False
+            return shared
 
     def evict(self, nbytes: int) -> EvictResult:
         """Evicts from host memory only (evicted records demote to disk per
@@ -212,44 +242,60 @@ class TieredStore(ChunkStore):
         """Locks the key in every tier holding it; True if any did."""
         in_host = self.host.lock(key)
         in_disk = self.disk.lock(key)
-        return in_host or in_disk
+        if in_host or in_disk:
+            return True
+        return self.shared is not None and self.shared.lock(key)
 
     def unlock(self, key: str) -> None:
         self.host.unlock(key)
         self.disk.unlock(key)
 
     def stats(self) -> StoreStats:
+        """Summed over the tiers. Errors of the shared tier are reported as
+        ``shared_<kind>`` (e.g. ``shared_corrupt``), apart from the local tiers'."""
         h, d = self.host.stats(), self.disk.stats()
+        s = self.shared.stats() if self.shared is not None else None
         errors = dict(d.errors)
         for kind, n in h.errors.items():
             errors[kind] = errors.get(kind, 0) + n
+        if s is not None:
+            for kind, n in s.errors.items():
+                errors[f"shared_{kind}"] = n
         return StoreStats(
             entries=h.entries + d.entries,
             bytes_used=h.bytes_used + d.bytes_used,
             capacity_bytes=h.capacity_bytes + d.capacity_bytes,
             # A host miss that hits on disk is one hit, not a miss and a hit.
-            hits=h.hits + d.hits,
-            misses=d.misses,
+            hits=h.hits + d.hits + (s.hits if s else 0),
+            misses=s.misses if s else d.misses,
             puts=h.puts + d.puts,
             rejected_puts=h.rejected_puts + d.rejected_puts,
             evictions=h.evictions + d.evictions,
             evicted_bytes=h.evicted_bytes + d.evicted_bytes,
-            bytes_read=h.bytes_read + d.bytes_read,
+            bytes_read=h.bytes_read + d.bytes_read + (s.bytes_read if s else 0),
             errors=MappingProxyType(errors),
         )
 
     def tier_stats(self) -> dict[str, StoreStats]:
-        return {"host": self.host.stats(), "disk": self.disk.stats()}
+        out = {"host": self.host.stats(), "disk": self.disk.stats()}
+        if self.shared is not None:
+            out["shared"] = self.shared.stats()
+        return out
 
     def flush(self) -> None:
-        """Wait for pending promotions, then for pending write-backs to disk."""
+        """Wait for pending promotions, then for pending write-backs to disk and to the
+        shared tier."""
         self._promoter.flush()
         self.host.flush()
+        if self.shared is not None:
+            self.shared.flush()
 
     def close(self) -> None:
-        """Run every queued promotion and write-back, then stop both threads."""
+        """Run every queued promotion and write-back, then stop the threads."""
         self._promoter.close()
         self.host.close()
+        if self.shared is not None:
+            self.shared.close()
 
     def queue_stats(self) -> dict[str, WriteBackStats]:
         """Cumulative counts of the background queues: "writeback" (host -> disk, absent
@@ -258,6 +304,8 @@ class TieredStore(ChunkStore):
         wb = self.host.write_back_stats()
         if wb is not None:
             out["writeback"] = wb
+        if self.shared is not None:
+            out["shared_write"] = self.shared.writer_stats()
         return out
 
     def shutdown(
@@ -277,6 +325,13 @@ class TieredStore(ChunkStore):
         remaining = max(0.0, deadline - time.monotonic())
         writes = self.host.shutdown(remaining, self.disk.abort_writes, stop, join_s)
         self.disk.abort_writes()
+        # Local writes first: the shared tier gets what time is left (its copy is one
+        # other servers could recompute; a local file is this server's after a restart).
+        shared_dropped = (
+            0
+            if self.shared is None
+            else self.shared.shutdown(max(0.0, deadline - time.monotonic()))
+        )
         if writes is None:
             completed = failed = dropped = 0
             joined = True
@@ -290,4 +345,5 @@ class TieredStore(ChunkStore):
             promotions_dropped=promo.cancelled,
             joined=joined and promo.joined,
             seconds=time.monotonic() - t0,
+            shared_dropped=shared_dropped,
         )

@@ -1,0 +1,451 @@
+"""The shared tier: chunk records in a distributed object store that several servers use.
+
+A record is stored as one object under its segment key, in the disk tier's file layout
+(``format``: checksummed msgpack header, raw per-layer K/V with per-block SHA-256), keys
+before RoPE as in the host tier. Keys are content hashes over the tokens and the model
+fingerprint, so a chunk one server computed is found by every server of the same model and
+settings, and never by another. Reads are sparse: a layer read moves only the checksum
+blocks holding the wanted tokens, verified before any byte is returned. Headers are read
+once per key and kept (a key names one content, so a verified header never goes stale;
+the payload checks still catch an object replaced by bad bytes).
+
+Writes are asynchronous (a bounded queue, one thread; what it refuses is counted),
+de-duplicated within the process (a key already queued is not queued again) and across
+servers (set-if-absent in the store: the first writer wins). A bad object (corrupt,
+truncated) is counted, removed from the store, and answered as a miss, so the chunk is
+recomputed and stored afresh; a record of another model is counted and left alone.
+When the store is unreachable every call answers a miss or False at once (``StoreLink``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from sgl_pic.store.base import (
+    DTYPES,
+    ChunkKV,
+    ChunkStore,
+    EvictResult,
+    LayerKV,
+    StoreStats,
+    check_key,
+    layer_offsets,
+    normalize_indices,
+    register_store,
+)
+from sgl_pic.store.errors import (
+    CorruptRecordError,
+    ForeignModelError,
+    StoreError,
+    TokenMismatchError,
+    TruncatedRecordError,
+    UnsupportedFormatError,
+)
+from sgl_pic.store.format import (
+    DIGEST_BYTES,
+    PREFIX_BYTES,
+    RecordHeader,
+    _check_expectations,
+    _parse_header,
+    encode_record,
+)
+from sgl_pic.store.host import WriteBack, WriteBackConfig, WriteBackStats
+from sgl_pic.store.object_backend import (
+    BackendError,
+    BackendUnavailable,
+    ObjectBackend,
+    PutOutcome,
+    StoreAddress,
+    make_backend,
+)
+from sgl_pic.store.store_link import LinkConfig, LinkStats, StoreLink
+
+logger = logging.getLogger(__name__)
+
+# First read of an object: the prefix and, for records of usual size, the whole header.
+_HEAD_READ = 64 << 10
+
+
+@dataclass(frozen=True)
+class SharedStoreConfig:
+    """url:           the store, e.g. ``mooncake://127.0.0.1:50551`` (``object_backend``).
+    link:            call timeout and retry period (``StoreLink``).
+    write_queue:     asynchronous writes pending (each holds its record's tensors until
+                     written); more are dropped (counted).
+    header_cache:    parsed headers kept, most recently used first out last.
+    block_tokens:    tokens per checksum block of records this server writes.
+    """
+
+    url: str
+    link: LinkConfig = field(default_factory=LinkConfig)
+    write_queue: int = 16
+    header_cache: int = 4096
+    block_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        StoreAddress.parse(self.url)
+        if self.write_queue < 1 or self.header_cache < 1 or self.block_tokens < 1:
+            raise ValueError("write_queue, header_cache and block_tokens must be >= 1")
+
+
+@register_store
+class SharedStore(ChunkStore):
+    """See the module docstring. ``capacity_bytes`` and eviction belong to the store's own
+    process (Mooncake evicts by its watermark); ``evict`` here frees nothing and ``lock``
+    pins nothing: a record evicted under a reader makes that read a miss, which the
+    executor answers by recomputing the chunk."""
+
+    name: ClassVar[str] = "shared"
+
+    def __init__(
+        self,
+        config: SharedStoreConfig,
+        model_digest: str,
+        backend: ObjectBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.model_digest = check_key(model_digest)
+        self.link = StoreLink(backend or make_backend(config.url), config.link, config.url)
+        self._writer = WriteBack(WriteBackConfig(config.write_queue), "sgl-pic-shared-write")
+        self._pending: set[str] = set()
+        self._headers: OrderedDict[str, RecordHeader] = OrderedDict()
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+        self._on_write: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            if key in self._headers:
+                return True
+        try:
+            return self.link.call(lambda b: b.exists([key])[0])
+        except (BackendUnavailable, BackendError):
+            return False
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _bad(self, key: str, exc: StoreError | BackendError) -> None:
+        """Count a bad object; remove it unless it is another model's (never ours to drop)."""
+        kind = {
+            CorruptRecordError: "corrupt",
+            TruncatedRecordError: "truncated",
+            ForeignModelError: "foreign_model",
+            TokenMismatchError: "token_mismatch",
+            UnsupportedFormatError: "newer_format",
+            BackendError: "truncated",
+        }.get(type(exc), "corrupt")
+        with self._lock:
+            self._errors[kind] += 1
+            self._headers.pop(key, None)
+        logger.warning("sgl_pic: shared record %s is bad (%s): %s", key[:12], kind, exc)
+        if kind in ("foreign_model", "newer_format"):
+            return
+        with contextlib.suppress(BackendUnavailable, BackendError):
+            self.link.call(lambda b: b.remove(key))
+
+    def _header(self, key: str, token_ids: Sequence[int] | None) -> RecordHeader | None:
+        """The key's checked header (cached), or None on a miss or a bad object (counted).
+        Raises BackendUnavailable."""
+        with self._lock:
+            header = self._headers.get(key)
+            if header is not None:
+                self._headers.move_to_end(key)
+        if header is None:
+            size = self.link.call(lambda b: b.size(key))
+            if size is None:
+                return None
+            head = self.link.call(lambda b: b.read_ranges(key, [(0, min(size, _HEAD_READ))]))
+            if head is None:
+                return None
+            try:
+                header = self._parse(key, head.tobytes(), size)
+            except (StoreError, BackendError) as exc:
+                self._bad(key, exc)
+                return None
+            with self._lock:
+                self._headers[key] = header
+                while len(self._headers) > self.config.header_cache:
+                    self._headers.popitem(last=False)
+        try:
+            _check_expectations(header, self.model_digest, key, token_ids)
+        except StoreError as exc:  # other tokens, or an object filed under another key
+            self._bad(key, exc)
+            return None
+        return header
+
+    def _parse(self, key: str, head: bytes, size: int) -> RecordHeader:
+        def body(n: int) -> bytes:
+            if PREFIX_BYTES + n <= len(head):
+                return head[PREFIX_BYTES : PREFIX_BYTES + n]
+            more = self.link.call(lambda b: b.read_ranges(key, [(PREFIX_BYTES, n)]))
+            if more is None:
+                raise TruncatedRecordError("object vanished while its header was read")
+            return more.tobytes()
+
+        return _parse_header(head[:PREFIX_BYTES], body, size, self.model_digest)
+
+    def peek_ranking(
+        self, key: str, token_ids: Sequence[int] | None = None
+    ) -> torch.Tensor | None | bool:
+        """# [num_tokens] the record's ranking, None if it has none, or False when the key
+        is not usable here (missing, bad, unreachable). Counts no hit or miss."""
+        try:
+            header = self._header(key, token_ids)
+        except (BackendUnavailable, BackendError):
+            return False
+        return False if header is None else header.ranking
+
+    def _read(
+        self,
+        key: str,
+        header: RecordHeader,
+        offsets: range,
+        idx: np.ndarray,  # [n] int64 sorted unique token indices
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(k, v # [len(offsets), n, heads, head_dim], bytes moved) of the tokens ``idx``
+        of record layers ``offsets``, every touched block verified; None on a miss."""
+        h = header
+        bt, row = h.block_tokens, h.row_bytes
+        blocks = np.unique(idx // bt).tolist()
+        # Runs of adjacent blocks become one range each.
+        runs: list[tuple[int, int]] = []
+        for b in blocks:
+            if runs and runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], b + 1)
+            else:
+                runs.append((b, b + 1))
+        ranges: list[tuple[int, int]] = []
+        for lo in offsets:
+            for which in (0, 1):
+                area = h.data_offset + (2 * lo + which) * h.layer_bytes
+                for b0, b1 in runs:
+                    first, last = b0 * bt, min(b1 * bt, h.num_tokens)
+                    ranges.append((area + first * row, (last - first) * row))
+        data = self.link.call(lambda b: b.read_ranges(key, ranges))
+        if data is None:
+            return None
+        out = np.empty((2, len(offsets), idx.size, row), dtype=np.uint8)
+        pos = 0
+        for i, lo in enumerate(offsets):
+            for which, sums in ((0, h.k_sums[lo]), (1, h.v_sums[lo])):
+                # Rows of this (layer, K/V) area that were read, in token order.
+                got = []
+                for b0, b1 in runs:
+                    first, last = b0 * bt, min(b1 * bt, h.num_tokens)
+                    n = (last - first) * row
+                    part = data[pos : pos + n]
+                    pos += n
+                    for b in range(b0, b1):
+                        s = (b - b0) * bt * row
+                        e = min((b + 1 - b0) * bt, last - first) * row
+                        want = sums[b * DIGEST_BYTES : (b + 1) * DIGEST_BYTES]
+                        if hashlib.sha256(part[s:e]).digest() != want:
+                            raise CorruptRecordError(
+                                f"checksum mismatch in layer {lo + h.layer_start}, block {b}"
+                            )
+                    got.append((first, part.reshape(-1, row)))
+                # Scattered back to token positions, so ``idx`` indexes them directly.
+                rows = np.empty((h.num_tokens, row), dtype=np.uint8)
+                for first, block_rows in got:
+                    rows[first : first + block_rows.shape[0]] = block_rows
+                np.take(rows, idx, axis=0, out=out[which, i])
+        dtype = DTYPES[h.dtype]
+        shape = (len(offsets), idx.size, h.num_kv_heads, h.head_dim)
+        kv = torch.from_numpy(out).view(dtype)
+        return kv[0].reshape(shape), kv[1].reshape(shape), int(data.size)
+
+    def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
+        try:
+            header = self._header(key, token_ids)
+            if header is None:
+                self._count("misses")
+                return None
+            idx = np.arange(header.num_tokens, dtype=np.int64)
+            res = self._read(key, header, range(header.num_layers), idx)
+        except (BackendUnavailable, BackendError) as exc:
+            if isinstance(exc, BackendError):
+                self._bad(key, exc)
+            self._count("misses")
+            return None
+        except StoreError as exc:
+            self._bad(key, exc)
+            self._count("misses")
+            return None
+        if res is None:
+            self._forget(key)
+            self._count("misses")
+            return None
+        k, v, nbytes = res
+        self._count("hits")
+        self._count("bytes_read", nbytes)
+        return ChunkKV(
+            key=key,
+            model_digest=header.model_digest,
+            token_ids=header.token_ids,
+            k=k,
+            v=v,
+            ranking=header.ranking,
+            layer_start=header.layer_start,
+        )
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._headers.pop(key, None)
+
+    def get_layers(
+        self,
+        key: str,
+        layers: range,
+        token_indices: torch.Tensor | Sequence[int] | None = None,  # [n] int
+        token_ids: Sequence[int] | None = None,
+    ) -> LayerKV | None:
+        try:
+            header = self._header(key, token_ids)
+            if header is None:
+                self._count("misses")
+                return None
+            held = range(header.layer_start, header.layer_start + header.num_layers)
+            offsets = layer_offsets(held, layers)  # RecordShapeError: the caller's mistake
+            idx = normalize_indices(token_indices, header.num_tokens)
+            res = self._read(key, header, offsets, idx.numpy())
+        except (BackendUnavailable, BackendError) as exc:
+            if isinstance(exc, BackendError):
+                self._bad(key, exc)
+            self._count("misses")
+            return None
+        except (CorruptRecordError, TruncatedRecordError) as exc:
+            self._bad(key, exc)
+            self._count("misses")
+            return None
+        if res is None:
+            self._forget(key)
+            self._count("misses")
+            return None
+        k, v, nbytes = res
+        self._count("hits")
+        self._count("bytes_read", nbytes)
+        moved = 2 * len(layers) * idx.numel() * header.row_bytes  # as the other tiers count
+        return LayerKV(key, layers, idx, k, v, bytes_read=moved)
+
+    # ----------------------------------------------------------------- writes
+    def put(self, record: ChunkKV) -> bool:
+        """Queues the write and returns True, or False (counted) when the record is of
+        another model, the store is down, or the queue is full. The write itself is
+        set-if-absent: a record another server stored first is left as it is."""
+        if record.model_digest != self.model_digest:
+            with self._lock:
+                self._errors["foreign_model"] += 1
+            return False
+        if not self.link.stats().up:
+            self._count("writes_skipped")
+            return False
+        with self._lock:
+            if record.key in self._pending or record.key in self._headers:
+                return True
+            self._pending.add(record.key)
+
+        def write() -> None:
+            try:
+                enc = encode_record(record, self.config.block_tokens)
+                outcome = self.link.call(
+                    lambda b: b.put_if_absent(record.key, [enc.head, *enc.areas]),
+                    background=True,
+                )
+                self._count("stored" if outcome is PutOutcome.STORED else "present")
+            except (BackendUnavailable, BackendError):
+                self._count("write_failed")
+                raise
+            finally:
+                with self._lock:
+                    self._pending.discard(record.key)
+                    listener = self._on_write
+                if listener is not None:
+                    listener()
+
+        if not self._writer.submit(write):
+            with self._lock:
+                self._pending.discard(record.key)
+            return False
+        return True
+
+    def evict(self, nbytes: int) -> EvictResult:
+        return EvictResult((), 0)
+
+    def lock(self, key: str) -> bool:
+        return self.contains(key)
+
+    def unlock(self, key: str) -> None:
+        return None
+
+    # ------------------------------------------------------------ bookkeeping
+    def stats(self) -> StoreStats:
+        with self._lock:
+            c = Counter(self._counts)
+            errors = dict(self._errors)
+            entries = len(self._headers)
+        return StoreStats(
+            entries=entries,
+            bytes_used=0,
+            capacity_bytes=0,
+            hits=c["hits"],
+            misses=c["misses"],
+            puts=c["stored"] + c["present"],
+            rejected_puts=c["write_failed"] + c["writes_skipped"],
+            bytes_read=c["bytes_read"],
+            errors=MappingProxyType(errors),
+        )
+
+    def write_counts(self) -> dict[str, int]:
+        """Finished writes by outcome: "stored" (this server wrote it), "present"
+        (another server had), "failed" (store error), "skipped" (store down)."""
+        with self._lock:
+            c = self._counts
+            return {
+                "stored": c["stored"],
+                "present": c["present"],
+                "failed": c["write_failed"],
+                "skipped": c["writes_skipped"],
+            }
+
+    def on_write(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener`` on the writer thread after each write finishes (counts are
+        then current), so exported counters need not wait for the next batch. It must
+        not raise."""
+        with self._lock:
+            self._on_write = listener
+
+    def link_stats(self) -> LinkStats:
+        return self.link.stats()
+
+    def writer_stats(self) -> WriteBackStats:
+        return self._writer.stats()
+
+    def flush(self) -> None:
+        """Wait for every queued write."""
+        self._writer.flush()
+
+    def shutdown(self, timeout_s: float) -> int:
+        """Run queued writes until ``timeout_s``, drop the rest, leave the store; returns
+        how many were dropped."""
+        result = self._writer.shutdown(timeout_s)
+        self.link.close()
+        return result.cancelled
+
+    def close(self) -> None:
+        self._writer.close()
+        self.link.close()
