@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,34 @@ def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
         if not best or y < best[-1][1]:
             best.append((x, y))
     return best
+
+
+def target(fidelity: dict[str, Any], budget: float = 0.15, seed: int = 0) -> list[dict[str, Any]]:
+    """Issue #11's measure for every variant at no more than ``budget`` recomputed: its mean
+    first-token KL over full reuse's, with a paired 95% bootstrap interval (examples
+    resampled, both means taken on the same resample), and its greedy agreement."""
+    rows = fidelity["rows"]
+    reuse = {r["example"]: r["kl"] for r in rows if r["variant"] == "full_reuse"}
+    rng = random.Random(seed)
+    examples = sorted(reuse)
+    draws = [rng.choices(examples, k=len(examples)) for _ in range(2000)]
+    out = []
+    for s in fidelity["summary"]:
+        if s["recompute_fraction"] > budget + 1e-3 or s["variant"] == "full_reuse":
+            continue
+        kl = {r["example"]: r["kl"] for r in rows if r["variant"] == s["variant"]}
+        ratios = sorted(sum(kl[e] for e in d) / sum(reuse[e] for e in d) for d in draws)
+        out.append(
+            {
+                "variant": s["variant"],
+                "recompute_fraction": s["recompute_fraction"],
+                "kl_over_full_reuse": s["kl"] / statistics.fmean(reuse.values()),
+                "kl_over_full_reuse_ci95": [ratios[50], ratios[1949]],
+                "greedy_agreement": s["greedy_agreement"],
+                "greedy_agreement_ci95": s["greedy_agreement_ci95"],
+            }
+        )
+    return sorted(out, key=lambda t: t["kl_over_full_reuse"])
 
 
 def collect(fidelity: dict[str, Any], serve: dict[str, Any] | None) -> dict[str, Any]:
@@ -64,6 +94,7 @@ def collect(fidelity: dict[str, Any], serve: dict[str, Any] | None) -> dict[str,
         "frontier_by_fraction": frontier(
             [(p["recompute_fraction"], p["kl"]) for p in by_fraction if p["policy"] != ORACLE]
         ),
+        "at_15_percent": target(fidelity),
         "by_ttft": by_ttft,
         "frontier_by_ttft": frontier([(p["ttft_over_full_prefill"], p["kl"]) for p in by_ttft]),
     }
@@ -121,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     points = collect(fidelity, serve)
     args.out.write_text(json.dumps(points, indent=1))
     plot(points, args.out.with_suffix(".png"))
+    for t in points["at_15_percent"]:
+        lo, hi = t["kl_over_full_reuse_ci95"]
+        print(
+            f"{t['variant']:<34} recomputed {t['recompute_fraction']:.3f}  KL / full reuse "
+            f"{t['kl_over_full_reuse']:.3f} [{lo:.3f}, {hi:.3f}]  greedy agreement "
+            f"{t['greedy_agreement']:.2f}"
+        )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
