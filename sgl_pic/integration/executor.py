@@ -437,7 +437,8 @@ class ChunkExecutor:
             self._count_loaded(feed)
         n, p = plan.num_tokens, plan.prefix
         assert plan.forced is not None
-        must = [plan.forced, torch.tensor(plan.layout.fresh_indices() + [n - 1])]  # host
+        fresh = torch.tensor(plan.layout.fresh_indices() + [n - 1])  # host: planning
+        must = [plan.forced, fresh]
         idx = torch.unique(torch.cat(must).to(torch.int64))
         idx = idx[idx >= p]
         queries = query_positions(plan.layout, p)
