@@ -111,7 +111,7 @@ def run_check(
     try:
         checks, prompts = _checks(str(model_path), config, limits)
     except Exception as e:  # noqa: BLE001 - any model the oracle cannot run fails the gate
-        checks = (CheckResult("load", False, 0.0, 0.0, f"cannot check this model: {e}"),)
+        checks = (CheckResult("load", False, 0.0, 0.0, f"cannot check this model: {e!r}"),)
         prompts = 0
     return CheckReport(
         model=str(model_path),

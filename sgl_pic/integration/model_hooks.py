@@ -105,7 +105,7 @@ def install(
     layer_start: Callable[[int], None],
     layer_end: Callable[[int], None],
     on_bypass: Callable[[Any], None] = lambda _fb: None,
-    attention_end: Callable[[int, Any, torch.Tensor], None] = lambda _i, _m, _q: None,
+    attention_end: Callable[[int, Any, torch.Tensor | None], None] = lambda _i, _m, _q: None,
 ) -> None:
     """Wraps the runner's decoder stack and hooks its layers.
 
@@ -150,7 +150,8 @@ def install(
         layer.register_forward_hook(lambda _m, _a, _o, i=i: layer_end(i))
         for attn in radix_attentions(layer):
             attn.register_forward_hook(
-                lambda m, a, kw, _o, i=i: attention_end(i, m, a[0] if a else kw["q"]),
+                # .get: a call without q must not fail here, outside any phase.
+                lambda m, a, kw, _o, i=i: attention_end(i, m, a[0] if a else kw.get("q")),
                 with_kwargs=True,
             )
 

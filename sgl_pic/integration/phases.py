@@ -197,7 +197,7 @@ class PhaseRunner:
         self.before_layer: list[Callable[[int], None]] = []
         self.after_layer: list[Callable[[int], None]] = []
         # (layer, RadixAttention, its post-RoPE queries # [n, heads * head_dim])
-        self.after_attention: list[Callable[[int, Any, torch.Tensor], None]] = []
+        self.after_attention: list[Callable[[int, Any, torch.Tensor | None], None]] = []
 
     def prepare(
         self, live: Any, subrequests: Sequence[SubRequest], input_ids: torch.Tensor
@@ -276,7 +276,7 @@ class PhaseRunner:
         for fn in self.after_layer:
             fn(layer)
 
-    def attention_end(self, layer: int, module: Any, q: torch.Tensor) -> None:
+    def attention_end(self, layer: int, module: Any, q: torch.Tensor | None) -> None:
         """Called after decoder layer ``layer``'s RadixAttention during a phase forward."""
         if self.batch is None:
             return

@@ -47,9 +47,16 @@ class QueryProbe:
         self._total = torch.zeros(key_slots.numel(), device=device)
         self._seen: set[int] = set()
 
-    def after_attention(self, layer: int, module: Any, q: torch.Tensor) -> None:
+    def after_attention(
+        self,
+        layer: int,
+        module: Any,  # sglang RadixAttention
+        q: torch.Tensor | None,  # [num_tokens, num_heads * head_dim] post-RoPE queries
+    ) -> None:
         if layer >= self.layers:
             return
+        if q is None:
+            raise RuntimeError(f"layer {layer}'s attention was called without queries")
         heads, dim = module.tp_q_head_num, module.qk_head_dim
         qs = q.reshape(q.shape[0], heads, dim)[self.query_rows]
         keys = self.pool.get_key_buffer(module.layer_id)[self.key_slots]
