@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fidelity import DEFAULT_DATA, _embedded_path  # noqa: E402
+from fidelity import DEFAULT_DATA, _embedded_path, bootstrap_ci  # noqa: E402
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
@@ -466,13 +465,6 @@ def run_example(
 
 
 # -- aggregation -------------------------------------------------------------------
-
-
-def bootstrap_ci(values: Sequence[float], seed: int = 0, n: int = 2000) -> list[float]:
-    rng = random.Random(seed)
-    k = len(values)
-    means = sorted(statistics.fmean(rng.choices(values, k=k)) for _ in range(n))
-    return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
 
 
 def mean_lists(lists: Sequence[Sequence[float]]) -> list[float]:

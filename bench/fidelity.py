@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -159,7 +160,7 @@ def _oracle_selection(
     return TimedReuse(res.kv, res.logits, res.computed, time.perf_counter() - t0, t1 - t0)
 
 
-def bootstrap_ci(values: list[float], seed: int = 0, n: int = 2000) -> list[float]:
+def bootstrap_ci(values: Sequence[float], seed: int = 0, n: int = 2000) -> list[float]:
     """95% percentile bootstrap interval of the mean over examples."""
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))

@@ -37,15 +37,9 @@ from typing import Any
 
 from _server import Client, delta, fresh_header, launch, metric, shifted
 
-POLICIES = (
-    "full_recompute",
-    "full_reuse",
-    "epic",
-    "cacheblend",
-    "daric",
-    "cachetune",
-    "query_aware",
-)
+from sgl_pic.registry import POLICIES as REGISTRY
+
+POLICIES = REGISTRY.names()
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 

@@ -33,18 +33,12 @@ from typing import Any
 
 import torch
 
-from sgl_pic.config import PicConfig
+from sgl_pic.config import FULL_BUDGET_FIELDS, PicConfig
 from sgl_pic.fidelity import first_token_kl, greedy_agreement
 from sgl_pic.layout import PromptLayout
 
 # Far enough that a rotation error in any frequency band shows, within every model's range.
 ROTATION_SHIFT = 3000
-# Policies with a budget that covers every reused token at 1.0 (PicConfig.exact).
-RATIO_FIELDS = {
-    "cachetune": "cachetune_r",
-    "cacheblend": "cacheblend_ratio",
-    "query_aware": "qa_ratio",
-}
 
 
 @dataclass(frozen=True)
@@ -200,7 +194,7 @@ def _checks(path: str, config: PicConfig, limits: CheckThresholds) -> tuple[list
 
 def _full_budget(config: PicConfig) -> PicConfig | None:
     """The configured policy at a budget of every reused token, where it has one."""
-    field = RATIO_FIELDS.get(config.policy)
+    field = FULL_BUDGET_FIELDS.get(config.policy)
     return None if field is None else config.with_overrides(**{field: 1.0})
 
 

@@ -23,6 +23,12 @@ POLICY_FIELDS: dict[str, tuple[str, ...]] = {
     "cachetune": ("cachetune_r", "cachetune_alpha"),
     "query_aware": ("qa_ratio", "qa_min_tokens", "qa_sink_tokens", "qa_layers"),
 }
+# Policies with a budget ratio that recomputes every reused token at 1.0 (``exact``).
+FULL_BUDGET_FIELDS: dict[str, str] = {
+    "cachetune": "cachetune_r",
+    "cacheblend": "cacheblend_ratio",
+    "query_aware": "qa_ratio",
+}
 # Upper bounds keep one request from buying unbounded scheduler work (DARIC's merge
 # rounds, budgets far past any chunk) with a single number.
 MAX_BUDGET_TOKENS = 1 << 20
@@ -113,11 +119,9 @@ class PicConfig:
     def exact(self) -> bool:
         """Whether this config recomputes every reused token, so its output is exact prefill:
         full_recompute, or a ratio policy at r = 1."""
-        return (
-            self.policy == "full_recompute"
-            or (self.policy == "cachetune" and self.cachetune_r == 1.0)
-            or (self.policy == "cacheblend" and self.cacheblend_ratio == 1.0)
-            or (self.policy == "query_aware" and self.qa_ratio == 1.0)
+        field = FULL_BUDGET_FIELDS.get(self.policy)
+        return self.policy == "full_recompute" or (
+            field is not None and getattr(self, field) == 1.0
         )
 
     def approximation_key(self) -> str:

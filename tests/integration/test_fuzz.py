@@ -41,6 +41,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
 
+from sgl_pic.registry import POLICIES as REGISTRY
 from tests.integration.prompts import DOCS, ids
 from tests.integration.server import Server, launch
 
@@ -51,16 +52,8 @@ VOCAB = 49152  # the embedded SmolLM2's vocabulary
 DELIM = "<|pic_chunk|>"
 MAX_BODY_MB = 1
 LOGPROB_TOL = 1e-4
-POLICIES = (
-    "full_recompute",
-    "full_reuse",
-    "epic",
-    "cacheblend",
-    "daric",
-    "cachetune",
-    "query_aware",
-)
-APPROXIMATE = ("full_reuse", "epic", "cacheblend", "daric", "cachetune", "query_aware")
+POLICIES = REGISTRY.names()
+APPROXIMATE = tuple(p for p in POLICIES if p != "full_recompute")
 NUMERIC_SETTINGS = (
     "daric_r",
     "daric_n_avg",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -30,7 +31,14 @@ def _delta(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
     r = server.generate(req)
     assert r.status_code == 200, r.text
     after = server.metrics()
-    keys = (CONTIG, DISJOINT, MISSES, "sgl_pic_reused_tokens_total", "sgl_pic_failures_total")
+    keys = (
+        CONTIG,
+        DISJOINT,
+        MISSES,
+        "sgl_pic_reused_tokens_total",
+        "sgl_pic_recomputed_tokens_total",
+        "sgl_pic_failures_total",
+    )
     return r.json(), {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
 
 
@@ -92,73 +100,52 @@ def test_last_token_logits_match_oracle(server: Server) -> None:
     assert max(abs(float(full[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
 
 
-def test_cacheblend_online_deviation_matches_oracle(server: Server) -> None:
+def _server_against_oracle(server: Server, toks: list[int], spans: list, **pic: object) -> Any:
+    """Sends the chunked request with ``pic`` overrides, checks its selection size and
+    top-8 first-token logprobs against the oracle's (a different set of the same size
+    would show in the logprobs); returns (oracle, ids, layout, chunks, reference logprobs,
+    the server's top logprobs)."""
     from sgl_pic.config import PicConfig
     from sgl_pic.layout import PromptLayout
     from sgl_pic.model.embedded import ensure_embedded_model
     from sgl_pic.oracle import Oracle
     from sgl_pic.selection import make_policy
 
-    toks, spans = chunked(["D", "E", "A"], "Which city has a port?", header="Yak memo.\n")
-    req = body(toks, spans, n=1, policy="cacheblend", cacheblend_ratio=0.3)
+    req = body(toks, spans, n=1, **pic)
     req.update(return_logprob=True, top_logprobs_num=8)
-    before = server.metrics()
     out, d = _delta(server, req)
-    after = server.metrics()
     assert out["meta_info"]["cached_tokens"] == 0
     assert d["sgl_pic_failures_total"] == 0
-    recomputed = (
-        after["sgl_pic_recomputed_tokens_total"] - before["sgl_pic_recomputed_tokens_total"]
-    )
 
     oracle = Oracle.from_pretrained(ensure_embedded_model().path)
     t = torch.tensor(toks)
     layout = PromptLayout.from_spans(len(toks), spans)
     chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
-    policy = make_policy(PicConfig(policy="cacheblend", cacheblend_ratio=0.3))
-    res = oracle.reuse(t, layout, chunks, policy)
-    # Same deviation, same selection: the server recomputed exactly the oracle's set size
-    # (a different set of the same size would show in the logits below).
-    assert recomputed == res.computed.indices.numel()
+    res = oracle.reuse(t, layout, chunks, make_policy(PicConfig().with_overrides(**pic)))
+    assert d["sgl_pic_recomputed_tokens_total"] == res.computed.indices.numel()
     ref = torch.log_softmax(res.logits.double(), -1)
-    for logprob, token_id, _ in out["meta_info"]["output_top_logprobs"][0]:
+    top = out["meta_info"]["output_top_logprobs"][0]  # [[logprob, token_id, text], ...]
+    for logprob, token_id, _ in top:
         assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
+    return oracle, t, layout, chunks, ref, top
+
+
+def test_cacheblend_online_deviation_matches_oracle(server: Server) -> None:
+    toks, spans = chunked(["D", "E", "A"], "Which city has a port?", header="Yak memo.\n")
+    _server_against_oracle(server, toks, spans, policy="cacheblend", cacheblend_ratio=0.3)
 
 
 def test_query_aware_probe_matches_oracle(server: Server) -> None:
     from sgl_pic.config import PicConfig
-    from sgl_pic.layout import PromptLayout
-    from sgl_pic.model.embedded import ensure_embedded_model
-    from sgl_pic.oracle import Oracle
     from sgl_pic.selection import make_policy
 
-    config = PicConfig(policy="query_aware", qa_ratio=0.2, qa_sink_tokens=2, qa_layers=3)
+    pic = {"policy": "query_aware", "qa_ratio": 0.2, "qa_sink_tokens": 2, "qa_layers": 3}
     toks, spans = chunked(["B", "D", "E"], "Which city has a port?", header="Gnu memo.\n")
-    req = body(toks, spans, n=1, policy="query_aware", qa_ratio=0.2, qa_sink_tokens=2, qa_layers=3)
-    req.update(return_logprob=True, top_logprobs_num=8)
-    before = server.metrics()
-    out, d = _delta(server, req)
-    after = server.metrics()
-    assert out["meta_info"]["cached_tokens"] == 0
-    assert d["sgl_pic_failures_total"] == 0
-    recomputed = (
-        after["sgl_pic_recomputed_tokens_total"] - before["sgl_pic_recomputed_tokens_total"]
-    )
-
-    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
-    t = torch.tensor(toks)
-    layout = PromptLayout.from_spans(len(toks), spans)
-    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
-    res = oracle.reuse(t, layout, chunks, make_policy(config))
-    assert recomputed == res.computed.indices.numel()
-    ref = torch.log_softmax(res.logits.double(), -1)
-    for logprob, token_id, _ in out["meta_info"]["output_top_logprobs"][0]:
-        assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
+    oracle, t, layout, chunks, ref, top = _server_against_oracle(server, toks, spans, **pic)
     # The probe's choice matters here: the oracle's sinks-only selection of the same size
     # (no attention ranking) gives other logprobs.
-    sinks_only = make_policy(config.with_overrides(qa_sink_tokens=10_000))
+    sinks_only = make_policy(PicConfig(**{**pic, "qa_sink_tokens": 10_000}))
     other = torch.log_softmax(oracle.reuse(t, layout, chunks, sinks_only).logits.double(), -1)
-    top = out["meta_info"]["output_top_logprobs"][0]
     assert max(abs(float(other[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
 
 

@@ -4,21 +4,8 @@ import torch
 from sgl_pic.config import PicConfig
 from sgl_pic.layout import PromptLayout
 from sgl_pic.selection import SelectionContext, make_policy
-
-# [chunk 0-10][chunk 10-20][fresh 20-25][chunk 25-35][fresh 35-37]
-LAYOUT = PromptLayout.from_spans(37, [[0, 10], [10, 20], [25, 35]])
-
-
-class CountingDeviation:
-    """A synthetic deviation (# [num_tokens]) that counts how often it is computed."""
-
-    def __init__(self, values: torch.Tensor) -> None:
-        self.values = values
-        self.calls = 0
-
-    def __call__(self) -> torch.Tensor:
-        self.calls += 1
-        return self.values
+from tests.selection.signals import LAYOUT
+from tests.selection.signals import CountingSignal as CountingDeviation
 
 
 def _select(

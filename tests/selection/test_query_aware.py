@@ -11,21 +11,8 @@ from sgl_pic.config import PicConfig
 from sgl_pic.layout import PromptLayout
 from sgl_pic.selection import SelectionContext, make_policy
 from sgl_pic.selection.query_aware import query_positions, question_attention
-
-# [chunk 0-10][chunk 10-20][fresh 20-25][chunk 25-35][fresh 35-37]
-LAYOUT = PromptLayout.from_spans(37, [[0, 10], [10, 20], [25, 35]])
-
-
-class Counting:
-    """A synthetic attention signal (# [num_tokens]) that counts its calls."""
-
-    def __init__(self, values: torch.Tensor) -> None:
-        self.values = values
-        self.calls = 0
-
-    def __call__(self) -> torch.Tensor:
-        self.calls += 1
-        return self.values
+from tests.selection.signals import LAYOUT
+from tests.selection.signals import CountingSignal as Counting
 
 
 def _select(
