@@ -84,7 +84,7 @@ def variants(sweep: bool) -> list[Variant]:
     # depth and budget); the older sweep points of EPIC, CacheBlend and DARIC are in the
     # diagnosis (bench/results/diagnosis.json) and earlier fidelity.json commits.
     out.append(Variant("epic k=39", "epic", (("epic_k", 39),), False))
-    for layers in (4, 16):
+    for layers in (4, 8, 16):
         out.append(
             Variant(
                 f"query_aware {d.qa_ratio:.0%} L{layers}",

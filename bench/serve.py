@@ -39,7 +39,6 @@ from _server import Client, delta, fresh_header, launch, metric, shifted
 
 from sgl_pic.registry import POLICIES as REGISTRY
 
-POLICIES = REGISTRY.names()
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 
@@ -55,6 +54,7 @@ def main() -> None:
     # make a ~3k-token prompt (SGLang's --chunked-prefill-size is 4096 by default).
     ap.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
     ap.add_argument("--passage-tokens", type=int, default=280, help="truncate passages (0: no)")
+    ap.add_argument("--policies", default="", help="comma-separated (default: every policy)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     ap.add_argument(
         "--baseline",
@@ -62,6 +62,9 @@ def main() -> None:
         help="an earlier serve.json to compare mean TTFTs with (read before --out is written)",
     )
     args = ap.parse_args()
+    policies = args.policies.split(",") if args.policies else REGISTRY.names()
+    for p in policies:
+        REGISTRY.get(p)  # an unknown name fails here, before any server starts
     baseline = _load(args.baseline)
     commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
 
@@ -77,7 +80,7 @@ def main() -> None:
     if not examples:
         raise SystemExit(f"no example has {args.passages} passages")
     sampling = {"temperature": 0, "max_new_tokens": 1}
-    ttft: dict[str, list[float]] = {"full_prefill": [], **{p: [] for p in POLICIES}}
+    ttft: dict[str, list[float]] = {"full_prefill": [], **{p: [] for p in policies}}
     per_policy: dict[str, dict[str, float]] = {}
     records: list[dict[str, Any]] = []
     lengths = []
@@ -122,7 +125,7 @@ def main() -> None:
 
             client.generate(body("full_recompute"))  # warm the chunk nodes
             ttft["full_prefill"].append(client.generate(body(None))[0])
-            for policy in POLICIES:
+            for policy in policies:
                 req = body(policy)
                 header = len(req["input_ids"]) - len(ids)
                 before = client.metrics()
@@ -180,7 +183,7 @@ def main() -> None:
             print(
                 f"example {i + 1}/{len(examples)}: {len(ids)} tokens, full prefill "
                 f"{ttft['full_prefill'][-1]:.2f} s, "
-                + ", ".join(f"{p} {ttft[p][-1]:.2f} s" for p in POLICIES),
+                + ", ".join(f"{p} {ttft[p][-1]:.2f} s" for p in policies),
                 flush=True,
             )
     check["ok"] = not check["failed_requests"] and check["chunked_requests"] > 0
@@ -194,22 +197,22 @@ def main() -> None:
         "passage_tokens": args.passage_tokens,
         "mean_prompt_tokens": statistics.mean(lengths),
         "ttft_mean_s": {k: statistics.mean(v) for k, v in ttft.items()},
-        "speedup_vs_full_prefill": {p: base / statistics.mean(ttft[p]) for p in POLICIES},
+        "speedup_vs_full_prefill": {p: base / statistics.mean(ttft[p]) for p in policies},
         # Paired per request: each example's full prefill over its own policy request.
         "speedup_paired_median": {
             p: statistics.median(r["speedup"] for r in records if r["policy"] == p)
-            for p in POLICIES
+            for p in policies
         },
         "phase2_runs_mean": {
             p: statistics.mean(r["phase2_runs"] for r in records if r["policy"] == p)
-            for p in POLICIES
+            for p in policies
         },
         "selection_share_mean": {
             p: statistics.mean(r["selection_share"] for r in records if r["policy"] == p)
-            for p in POLICIES
+            for p in policies
         },
         "selection_share_max": {
-            p: max(r["selection_share"] for r in records if r["policy"] == p) for p in POLICIES
+            p: max(r["selection_share"] for r in records if r["policy"] == p) for p in policies
         },
         "hit_rate": {},
         "recomputed_fraction": {},
@@ -275,7 +278,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["full_prefill", *POLICIES]
+    names = list(report["ttft_mean_s"])
     ttft = [report["ttft_mean_s"][n] for n in names]
     fig, ax = plt.subplots(figsize=(8, 3.8))
     bars = ax.bar(names, ttft)

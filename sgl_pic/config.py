@@ -76,7 +76,7 @@ class PicConfig:
     qa_ratio: float = 0.15
     qa_min_tokens: int = 16
     qa_sink_tokens: int = 1
-    qa_layers: int = 8
+    qa_layers: int = 6
     segment_tokens: int = 256
     page_size: int = 1
     delimiter: str = "<|pic_chunk|>"

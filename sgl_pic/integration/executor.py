@@ -459,14 +459,12 @@ class ChunkExecutor:
         subs = [SubRequest(plan.pool_idx, a, z - a) for a, z in runs]
         phase = self.phases.prepare(live, subs, ids)
         self.phases.after_attention = [probe.after_attention]
-        self.phases.after_layer = [probe.after_layer]
         try:
             self.phases.run(stack, phase)
         except ProbeDone:
             pass
         finally:
             self.phases.after_attention = []
-            self.phases.after_layer = []
         return probe.scores
 
     def _count_loaded(self, feed: LayerFeed) -> None:

@@ -4,9 +4,10 @@ A probe pass is an ordinary phase batch of the request's fresh tokens (and the t
 phase 2 must compute anyway) over its assembled KV. After each of the first ``layers``
 decoder layers' RadixAttention (by then the pass's own K/V of that layer are in the pool),
 the question's post-RoPE queries score the request's whole row of keys with
-``question_attention``, the definition the oracle uses too; after the last of those layers
-the pass is cut (``ProbeDone``), so the rest of the stack never runs. The probe writes only
-the pass's own slots at those layers, which phase 2 writes again.
+``question_attention``, the definition the oracle uses too; right after the last of those
+attentions the pass is cut (``ProbeDone``), so neither that layer's MLP nor the rest of the
+stack runs. The probe writes only the pass's own slots at those layers, which phase 2
+writes again.
 """
 
 from __future__ import annotations
@@ -62,8 +63,6 @@ class QueryProbe:
         keys = self.pool.get_key_buffer(module.layer_id)[self.key_slots]
         self._total += question_attention(qs, keys, self.query_pos, module.scaling)
         self._seen.add(layer)
-
-    def after_layer(self, layer: int) -> None:
         if layer == self.layers - 1:
             raise ProbeDone
 

@@ -110,11 +110,18 @@ def question_attention(
     positions <= its own), summed over heads and queries. Sums, not means, so a tensor-
     parallel rank's partial over its own heads adds up to the whole."""
     nq, heads, dim = q.shape
-    group = heads // k.shape[1]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    qq = q.to(torch.float32).reshape(nq, k.shape[1], group, dim)
-    kk = k.to(torch.float32)
-    logits = torch.einsum("qhgd,khd->hgqk", qq, kk) * scale  # [Hkv, g, nq, N]
-    visible = torch.arange(k.shape[0], device=k.device)[None, :] <= q_pos.to(k.device)[:, None]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
+    # One batched matmul per KV head (GQA groups folded into rows): the probe runs this on
+    # every probed layer of every request, inside the selection's share of TTFT.
+    qq = (q.to(torch.float32) * scale).reshape(nq, kv_heads, group, dim)
+    qq = qq.permute(1, 2, 0, 3).reshape(kv_heads, group * nq, dim)
+    logits = torch.bmm(qq, k.to(torch.float32).permute(1, 2, 0))  # [Hkv, g * nq, N]
+    # Only keys after the earliest query can be hidden from some query: mask that tail.
+    first = int(q_pos.min()) + 1 if nq else k.shape[0]
+    if first < k.shape[0]:
+        tail = torch.arange(first, k.shape[0], device=k.device)
+        hidden = tail[None, :] > q_pos.to(k.device).repeat(group)[:, None]
+        logits[:, :, first:].masked_fill_(hidden, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))

@@ -112,5 +112,8 @@ def test_question_attention_is_causal_softmax_summed_over_heads_and_queries() ->
     assert torch.allclose(got, want, atol=1e-5)
     assert float(got[6:].sum()) > 0 and float(got[9]) > 0
     assert math.isclose(float(got.sum()), 12.0, rel_tol=1e-5)
+    # Queries in any order (the mask follows each query's own position), and none at all.
+    assert torch.allclose(question_attention(q.flip(0), k, pos.flip(0)), want, atol=1e-5)
+    assert float(question_attention(q[:0], k, pos[:0]).abs().sum()) == 0.0
     # A query never sees a later key.
     assert float(question_attention(q[:1], k, pos[:1])[6:].abs().sum()) == 0.0
