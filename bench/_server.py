@@ -133,3 +133,20 @@ def launch(args: Sequence[str], startup_timeout_s: float = STARTUP_TIMEOUT_S) ->
     ) as proc:
         print(f"  log: {proc.log_path}\n  healthy after {time.monotonic() - t0:.0f} s", flush=True)
         yield Client(proc.url, proc.log_path)
+
+
+def git_state() -> tuple[str | None, bool | None]:
+    """(HEAD's commit, whether the tree has uncommitted changes) of this checkout; Nones
+    outside a git checkout. Results record both: a figure belongs to the commit it ran at."""
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    status = git("status", "--porcelain")
+    return git("rev-parse", "HEAD"), None if status is None else bool(status)

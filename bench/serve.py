@@ -35,7 +35,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from _server import Client, delta, fresh_header, launch, metric, shifted
+from _server import Client, delta, fresh_header, git_state, launch, metric, shifted
 
 from sgl_pic.registry import POLICIES as REGISTRY
 
@@ -66,7 +66,7 @@ def main() -> None:
     for p in policies:
         REGISTRY.get(p)  # an unknown name fails here, before any server starts
     baseline = _load(args.baseline)
-    commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
+    commit, dirty = git_state()
 
     from transformers import AutoTokenizer
 
@@ -238,17 +238,6 @@ def main() -> None:
             f"tier check failed: chunked measurements not all served from the device tier "
             f"({len(check['failed_requests'])} request(s); see tier_check in {args.out})"
         )
-
-
-def _git(*args: str) -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _load(path: str) -> dict[str, Any] | None:

@@ -24,6 +24,9 @@ from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
 from sgl_pic.store.shared import SharedStore
 from sgl_pic.store.tiered import ShutdownReport, Tier, TieredStore
 
+# Below the device chunk nodes, fastest first (a chunk's tier is the slowest of its segments').
+LOWER_TIERS: tuple[Tier, ...] = ("host", "disk", "shared")
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,25 +43,18 @@ class SharedTierMetrics(Protocol):
     shared_store_unreachable: Any  # prometheus Counter
     shared_writes: Any  # prometheus Counter, label "outcome"
 
-    def note_shared_hits(self, n: int) -> None: ...
-
 
 class LowerHit(NamedTuple):
     """A chunk all of whose segments are in host memory, on disk or in the shared tier.
 
-    tier:    the slowest tier any segment is read from ("host" or "disk"). A chunk read
-             partly from the shared tier says "disk": the planner's tier table has no
-             "shared" row, so ``shared`` tells them apart and the metrics get the split
-             through ``export_shared_stats``.
+    tier:    the slowest tier any segment is read from ("host", "disk" or "shared").
     keys:    the segments' keys, in order.
     ranking: # [n] the chunk's CacheTune ranking, or None if a segment has none.
-    shared:  whether any segment is read from the shared tier.
     """
 
     tier: Tier
     keys: tuple[SegmentKey, ...]
     ranking: torch.Tensor | None
-    shared: bool = False
 
 
 class LowerTiers:
@@ -88,7 +84,6 @@ class LowerTiers:
         self.loader = SparseLoader(store, inv_freq, LoaderConfig(layout, device))
         self._drops_seen: dict[str, int] = {}
         self._export_lock = threading.Lock()
-        self._shared_hits = 0  # shared-tier chunk hits matched since the last export
         self._shared_seen: dict[str, int] = {}
         self._shared_listening = False
 
@@ -113,22 +108,19 @@ class LowerTiers:
         return gained
 
     def export_shared_stats(self, metrics: SharedTierMetrics) -> None:
-        """The shared tier's link state, outages and write outcomes since the last call,
-        and how many of the chunk hits about to be recorded came from it (call it after
-        each batch, before its requests' stats are recorded). No-op without the tier."""
+        """The shared tier's link state, outages and write outcomes since the last call
+        (call it after each batch). No-op without the tier."""
         shared = self.store.shared
         if shared is None:
             return
         self._export_shared_counts(metrics)
         with self._export_lock:
-            hits, self._shared_hits = self._shared_hits, 0
             listen = not self._shared_listening
             self._shared_listening = True
         if listen:
             # Writes finish after their batch was exported: from now on each one exports
             # the counts itself, so a write's outcome shows without a later request.
             shared.on_write(lambda: self._export_shared_counts(metrics))
-        metrics.note_shared_hits(hits)
 
     def _export_shared_counts(self, metrics: SharedTierMetrics) -> None:
         """Link state, outages and write outcomes gained since the last export."""
@@ -165,20 +157,16 @@ class LowerTiers:
         rankings: list[torch.Tensor | None] = []
         for k in keys:
             tier = self.store.locate(k.digest)
-            if tier not in ("host", "disk", "shared"):
+            if tier not in LOWER_TIERS:
                 return None
             peek = self.store.peek_ranking(k.digest, token_ids[k.start : k.end])
             if peek is None:
                 return None
             tiers.append(tier)
             rankings.append(peek.ranking)
-        shared = "shared" in tiers
-        slowest: Tier = "disk" if shared or "disk" in tiers else "host"
+        slowest = max(tiers, key=LOWER_TIERS.index)
         ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
-        if shared:
-            with self._export_lock:
-                self._shared_hits += 1
-        return LowerHit(slowest, keys, ranking, shared)
+        return LowerHit(slowest, keys, ranking)
 
     def placements(
         self,

@@ -29,7 +29,8 @@ class RequestStats(NamedTuple):
     selection_seconds: float
     device_hits: int = 0  # reused chunks found in chunk nodes
     host_hits: int = 0  # ... in host memory
-    disk_hits: int = 0  # ... on disk (the shared tier's included, see note_shared_hits)
+    disk_hits: int = 0  # ... on disk
+    shared_hits: int = 0  # ... in the shared tier (--pic-shared-store)
     prefix_hit_tokens: int = 0  # DARIC's L_hit = max(L_gpu, L_cont)
 
 
@@ -152,7 +153,6 @@ class PicMetrics:
             "stored it; failed; skipped: store down)",
             ["outcome"],
         )
-        self._shared_pending = 0
         self._errors_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
             "sgl_pic_last_hit_rate",
@@ -178,22 +178,14 @@ class PicMetrics:
         self.selection.observe(s.selection_seconds)
         self.tier_hits.labels(tier="device").inc(s.device_hits)
         self.tier_hits.labels(tier="host").inc(s.host_hits)
-        # The planner counts shared-tier hits as disk hits; the lower tiers said how many.
-        shared = min(self._shared_pending, s.disk_hits)
-        self._shared_pending -= shared
-        self.tier_hits.labels(tier="disk").inc(s.disk_hits - shared)
-        self.tier_hits.labels(tier="shared").inc(shared)
+        self.tier_hits.labels(tier="disk").inc(s.disk_hits)
+        self.tier_hits.labels(tier="shared").inc(s.shared_hits)
         self.prefix_hit_tokens.inc(s.prefix_hit_tokens)
         if s.chunks:
             hits = s.contiguous_hits + s.disjoint_hits + s.device_prefix_chunks
             self.hit_rate.set(hits / s.chunks)
         if s.new_tokens:
             self.recomputed_fraction.set(s.recomputed_tokens / s.new_tokens)
-
-    def note_shared_hits(self, n: int) -> None:
-        """Of the disk hits in the requests recorded next (this batch's), ``n`` came
-        from the shared tier; replaces what an earlier batch left unclaimed."""
-        self._shared_pending = max(0, n)
 
     def record_store_errors(self, errors: Mapping[str, int]) -> None:
         """Adds what the tiers' cumulative error counts gained since the last call."""

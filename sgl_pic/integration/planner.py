@@ -22,7 +22,8 @@ from sgl_pic.integration.metrics import RequestStats
 from sgl_pic.layout import PromptLayout
 from sgl_pic.selection import SelectionContext, finalize, make_policy
 
-TIERS = ("device", "host", "disk")
+# Fastest first: a request's slowest tier is the last of these it reuses from.
+TIERS = ("device", "host", "disk", "shared")
 
 
 @dataclass
@@ -115,6 +116,7 @@ def classify(plan: RequestPlan, lookup: Callable[[int, int], ChunkLookup]) -> No
         device_hits=by_tier["device"],
         host_hits=by_tier["host"],
         disk_hits=by_tier["disk"],
+        shared_hits=by_tier["shared"],
         prefix_hit_tokens=max(plan.prefix, l_cont),
     )
     none = torch.empty(0, dtype=torch.int64)  # host: planning
@@ -152,14 +154,18 @@ def select(
 
 def calibrated(plan: RequestPlan, ratios: dict[str, float] | None) -> PicConfig:
     """The request's config with CacheTune's r set to the calibrated r of the slowest
-    tier it reuses from, unless calibration is off or the request chose its own r."""
+    tier it reuses from, unless calibration is off or the request chose its own r. The
+    shared tier has no calibrated r of its own (start-up calibration cannot count on the
+    store being reachable); it takes the disk tier's, the slowest one measured."""
     if (
         ratios is None
         or plan.config.policy != "cachetune"
         or "cachetune_r" in plan.pending.request.overrides
     ):
         return plan.config
-    tier = next((t for t in ("disk", "host", "device") if t in plan.tiers), None)
+    tier = next((t for t in reversed(TIERS) if t in plan.tiers), None)
+    if tier == "shared" and "shared" not in ratios:
+        tier = "disk"
     if tier is None or tier not in ratios:
         return plan.config
     return plan.config.with_overrides(cachetune_r=ratios[tier])

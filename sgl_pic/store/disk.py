@@ -208,6 +208,18 @@ class DiskStore(BoundedStore):
         except (StoreError, OSError, ValueError):
             return None
 
+    def peek(self, key: str) -> ChunkKV | None:
+        """The whole record if held and sound, without counting an access or touching its
+        recency (a bad file is left for the next ``get`` to count and drop)."""
+        check_key(key)
+        if not self.contains(key):
+            return None
+        try:
+            with RecordFile(self.path_of(key), self.model_digest, key, None) as f:
+                return f.read_record()
+        except (StoreError, OSError, ValueError):
+            return None
+
     def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
         path = self._begin_read(key)
         if path is None:

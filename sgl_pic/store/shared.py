@@ -14,7 +14,10 @@ de-duplicated within the process (a key already queued is not queued again) and 
 servers (set-if-absent in the store: the first writer wins). A bad object (corrupt,
 truncated) is counted, removed from the store, and answered as a miss, so the chunk is
 recomputed and stored afresh; a record of another model is counted and left alone.
-When the store is unreachable every call answers a miss or False at once (``StoreLink``).
+When the store is unreachable every call answers a miss or False at once (``StoreLink``);
+the keys of the writes skipped then are remembered (up to ``backfill_keys``), and when the
+store is back one background job writes those the server still holds (``set_backfill_source``),
+so an outage does not leave the chunks computed during it out of the shared tier for good.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class SharedStoreConfig:
                      written); more are dropped (counted).
     header_cache:    parsed headers kept, most recently used first out last.
     block_tokens:    tokens per checksum block of records this server writes.
+    backfill_keys:   keys of writes skipped while the store was down, remembered for
+                     when it is back (the oldest forgotten first).
     """
 
     url: str
@@ -92,11 +97,14 @@ class SharedStoreConfig:
     write_queue: int = 16
     header_cache: int = 4096
     block_tokens: int = 32
+    backfill_keys: int = 4096
 
     def __post_init__(self) -> None:
         StoreAddress.parse(self.url)
-        if self.write_queue < 1 or self.header_cache < 1 or self.block_tokens < 1:
-            raise ValueError("write_queue, header_cache and block_tokens must be >= 1")
+        if min(self.write_queue, self.header_cache, self.block_tokens, self.backfill_keys) < 1:
+            raise ValueError(
+                "write_queue, header_cache, block_tokens and backfill_keys must be >= 1"
+            )
 
 
 @register_store
@@ -124,6 +132,9 @@ class SharedStore(ChunkStore):
         self._counts: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
         self._on_write: Callable[[], None] | None = None
+        self._missed: OrderedDict[str, None] = OrderedDict()
+        self._source: Callable[[str], ChunkKV | None] | None = None
+        self.link.on_recover(self._backfill)
 
     # ------------------------------------------------------------------ reads
     def contains(self, key: str) -> bool:
@@ -353,6 +364,7 @@ class SharedStore(ChunkStore):
             return False
         if not self.link.stats().up:
             self._count("writes_skipped")
+            self._remember(record.key)
             return False
         with self._lock:
             if record.key in self._pending or record.key in self._headers:
@@ -367,7 +379,11 @@ class SharedStore(ChunkStore):
                     background=True,
                 )
                 self._count("stored" if outcome is PutOutcome.STORED else "present")
-            except (BackendUnavailable, BackendError):
+            except BackendUnavailable:
+                self._count("write_failed")
+                self._remember(record.key)
+                raise
+            except BackendError:
                 self._count("write_failed")
                 raise
             finally:
@@ -382,6 +398,62 @@ class SharedStore(ChunkStore):
                 self._pending.discard(record.key)
             return False
         return True
+
+    def set_backfill_source(self, source: Callable[[str], ChunkKV | None]) -> None:
+        """Where the backfill after an outage reads a remembered key's record from (this
+        server's own tiers; None when they no longer hold it). Called from the writer
+        thread; it must not raise."""
+        with self._lock:
+            self._source = source
+
+    def _remember(self, key: str) -> None:
+        with self._lock:
+            self._missed[key] = None
+            self._missed.move_to_end(key)
+            while len(self._missed) > self.config.backfill_keys:
+                self._missed.popitem(last=False)
+
+    def _backfill(self) -> None:
+        """The store is back: one queued job writes the remembered keys still held here."""
+        with self._lock:
+            if self._source is None or not self._missed:
+                return
+        if not self._writer.submit(self._run_backfill):
+            logger.warning("sgl_pic: shared write queue full; backfill waits for the next outage")
+
+    def _run_backfill(self) -> None:
+        with self._lock:
+            keys, self._missed = list(self._missed), OrderedDict()
+            source = self._source
+        assert source is not None
+        written = 0
+        for i, key in enumerate(keys):
+            record = source(key)
+            if record is None or record.model_digest != self.model_digest:
+                continue  # no longer held here: nothing to give
+            try:
+                enc = encode_record(record, self.config.block_tokens)
+                outcome = self.link.call(
+                    lambda b, r=record, e=enc: b.put_if_absent(r.key, [e.head, *e.areas]),
+                    background=True,
+                )
+            except BackendUnavailable:
+                for rest in keys[i:]:
+                    self._remember(rest)  # down again: the rest wait for the next recovery
+                self._count("write_failed")
+                break
+            except BackendError:
+                self._count("write_failed")
+                continue
+            self._count("stored" if outcome is PutOutcome.STORED else "present")
+            written += outcome is PutOutcome.STORED
+        self._count("backfilled", written)
+        with self._lock:
+            listener = self._on_write
+        if listener is not None:
+            listener()
+        if written:
+            logger.info("sgl_pic: shared store back; %d skipped segment(s) written", written)
 
     def evict(self, nbytes: int) -> EvictResult:
         return EvictResult((), 0)
@@ -412,7 +484,9 @@ class SharedStore(ChunkStore):
 
     def write_counts(self) -> dict[str, int]:
         """Finished writes by outcome: "stored" (this server wrote it), "present"
-        (another server had), "failed" (store error), "skipped" (store down)."""
+        (another server had), "failed" (store error), "skipped" (store down); and
+        "backfilled": of the stored ones, those written after an outage for writes it
+        skipped."""
         with self._lock:
             c = self._counts
             return {
@@ -420,6 +494,7 @@ class SharedStore(ChunkStore):
                 "present": c["present"],
                 "failed": c["write_failed"],
                 "skipped": c["writes_skipped"],
+                "backfilled": c["backfilled"],
             }
 
     def on_write(self, listener: Callable[[], None] | None) -> None:

@@ -76,6 +76,7 @@ class StoreLink:
         self._outages = self._failed = self._skipped = 0
         self._closed = threading.Event()
         self._probing = False
+        self._on_recover: list[Callable[[], None]] = []
         # Calls inside the client now: ``close`` must not free it under one of them.
         self._active = 0
         self._idle = threading.Condition(self._lock)
@@ -153,16 +154,26 @@ class StoreLink:
         with self._lock:
             self._probing = False
 
+    def on_recover(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` each time the store becomes reachable after an outage (the
+        first join after failed ones included), on the thread that found it back: it
+        must return quickly and not raise."""
+        with self._lock:
+            self._on_recover.append(listener)
+
     def _mark_up(self) -> None:
         with self._lock:
             was_up, self._up = self._up, True
             had_outage = self._outages > 0
+            listeners = list(self._on_recover) if not was_up and had_outage else []
         if not was_up:
             logger.info(
                 "sgl_pic: shared store %s %s",
                 self.label,
                 "reachable again" if had_outage else "connected",
             )
+        for listener in listeners:
+            listener()
 
     def _run(self, fn: Callable[[ObjectBackend], T]) -> T:
         """``fn(backend)`` on this thread, counted as a call inside the client."""

@@ -126,9 +126,16 @@ class TieredStore(ChunkStore):
         self.shared = shared
         self.disk = DiskStore(config.disk, model_digest)
         self.host = HostStore(config.host, model_digest, write_back_to=self.disk.put)
+        if shared is not None:
+            shared.set_backfill_source(self._local_record)
         self._promoter = WriteBack(WriteBackConfig(config.promotion_queue), "sgl-pic-promote")
         self._promoting: set[str] = set()
         self._lock = threading.Lock()
+
+    def _local_record(self, key: str) -> ChunkKV | None:
+        """The record from host memory or disk, counting no access (the shared tier's
+        backfill after an outage)."""
+        return self.host.peek(key) or self.disk.peek(key)
 
     def locate(self, key: str) -> Tier | None:
         """The fastest tier holding ``key`` now, or None. Changes nothing."""

@@ -37,10 +37,17 @@ def _plan(
 
 @pytest.mark.parametrize(
     ("tiers", "expected"),
-    [({"device"}, 0.15), ({"device", "host"}, 0.2), ({"host", "disk"}, 0.35), (set(), 0.15)],
+    [
+        ({"device"}, 0.15),
+        ({"device", "host"}, 0.2),
+        ({"host", "disk"}, 0.35),
+        ({"host", "shared"}, 0.35),
+        (set(), 0.15),
+    ],
 )
 def test_slowest_tier_sets_r(tiers: set[str], expected: float) -> None:
-    # No tier (every chunk missed): the configured r (0.15 by default) stays.
+    # No tier (every chunk missed): the configured r (0.15 by default) stays. The shared
+    # tier, never calibrated, takes the disk tier's r.
     assert planner.calibrated(_plan(tiers), RATIOS).cachetune_r == expected
 
 
@@ -60,24 +67,29 @@ def test_contiguous_hit_length() -> None:
 
 
 def test_classify_splits_prefix_hits_and_misses() -> None:
-    # Chunks [0,4) [4,8) [8,12) [14,18); device prefix 6 cuts the second chunk.
-    plan = _plan(spans=[[0, 4], [4, 8], [8, 12], [14, 18]], n=20, prefix=6)
+    # Chunks [0,4) [4,8) [8,12) [14,18) [18,20); device prefix 6 cuts the second chunk.
+    plan = _plan(spans=[[0, 4], [4, 8], [8, 12], [14, 18], [18, 20]], n=20, prefix=6)
     seen: list[tuple[int, int]] = []
-    answers = {(8, 12): ChunkLookup(None, None), (14, 18): ChunkLookup("host", torch.ones(4))}
+    answers = {
+        (8, 12): ChunkLookup(None, None),
+        (14, 18): ChunkLookup("host", torch.ones(4)),
+        (18, 20): ChunkLookup("shared", None),
+    }
 
     def lookup(start: int, end: int) -> ChunkLookup:
         seen.append((start, end))
         return answers[(start, end)]
 
     planner.classify(plan, lookup)
-    assert seen == [(8, 12), (14, 18)]  # prefix chunks are never looked up
-    assert plan.misses == [(8, 12)] and plan.hit_spans == [(14, 18)]
+    assert seen == [(8, 12), (14, 18), (18, 20)]  # prefix chunks are never looked up
+    assert plan.misses == [(8, 12)] and plan.hit_spans == [(14, 18), (18, 20)]
     assert plan.forced is not None and plan.forced.tolist() == [6, 7]  # the cut chunk's tail
-    assert plan.tiers == {"host"} and len(plan.rankings) == 4
+    assert plan.tiers == {"host", "shared"} and len(plan.rankings) == 5
     s = plan.stats
     assert s is not None
-    assert (s.device_prefix_chunks, s.contiguous_hits, s.disjoint_hits) == (1, 0, 1)
-    assert (s.host_hits, s.reused_tokens, s.new_tokens, s.prefix_hit_tokens) == (1, 4, 14, 6)
+    assert (s.device_prefix_chunks, s.contiguous_hits, s.disjoint_hits) == (1, 0, 2)
+    assert (s.host_hits, s.disk_hits, s.shared_hits) == (1, 0, 1)
+    assert (s.reused_tokens, s.new_tokens, s.prefix_hit_tokens) == (6, 14, 6)
 
 
 def test_select_refines_by_prefix_and_counts_reuse() -> None:

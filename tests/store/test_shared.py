@@ -103,7 +103,13 @@ def test_writes_are_deduplicated_within_and_across_clients(
     assert a.writer_stats().submitted == 1
     assert b.put(rec)
     b.flush()
-    assert b.write_counts() == {"stored": 0, "present": 1, "failed": 0, "skipped": 0}
+    assert b.write_counts() == {
+        "stored": 0,
+        "present": 1,
+        "failed": 0,
+        "skipped": 0,
+        "backfilled": 0,
+    }
 
 
 def test_concurrent_writers_store_one_object(service: SharedStoreService) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,3 +83,37 @@ def test_a_shared_tier_of_another_model_is_refused(
             TieredStore(cfg, MODEL, shared=shared)
     finally:
         shared.close()
+
+
+def test_writes_skipped_during_an_outage_are_backfilled(tmp_path: Path) -> None:
+    svc = start_service()
+    a = tiered(tmp_path / "a", svc.url)
+    b = None
+    try:
+        assert a.shared is not None
+        svc.kill()
+        a.shared._headers.clear()  # force a round trip to the dead store
+        assert a.shared.get(make_record(seed=40).key) is None  # finds it down
+        assert not a.shared.link_stats().up
+        recs = [make_record(seed=41 + i) for i in range(3)]
+        for rec in recs:
+            assert a.put(rec)  # kept locally; the shared write is skipped
+        a.flush()
+        assert a.shared.write_counts()["skipped"] == 3
+        svc.start()
+        deadline = time.monotonic() + 30
+        while a.shared.write_counts()["backfilled"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the link's probe finds the store back and queues the backfill
+        assert a.shared.write_counts()["backfilled"] == 3
+        b = tiered(tmp_path / "b", svc.url)
+        for rec in recs:
+            assert b.locate(rec.key) == "shared"
+            got = b.get(rec.key, rec.token_ids)
+            assert got is not None and same_record(got, rec)
+        # The backfill read the local copies without counting them as hits.
+        assert a.tier_stats()["host"].hits == 0 and a.tier_stats()["disk"].hits == 0
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+        svc.stop()
