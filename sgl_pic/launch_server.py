@@ -12,6 +12,7 @@ import secrets
 import sys
 
 from sgl_pic.config import MTAF_NAMES, PicConfig
+from sgl_pic.integration.chat_chunks import AUTO_CHUNK_ROLES
 from sgl_pic.integration.layer_feed import FEED_MODES
 from sgl_pic.registry import POLICIES
 
@@ -106,6 +107,14 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         "(started by scripts/shared_store.sh); '' (default): off",
     )
     g.add_argument(
+        "--pic-auto-chunk",
+        default="",
+        metavar="ROLES",
+        help="chat messages /v1/chat/completions marks as chunks itself: a comma list of "
+        f"{', '.join(AUTO_CHUNK_ROLES)} (tool results, messages named 'document', earlier "
+        "turns of the other roles); '' (default): off",
+    )
+    g.add_argument(
         "--pic-check",
         action="store_true",
         help="run the correctness gate (python -m sgl_pic.check) on the model first; reuse is "
@@ -185,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         max_body_mb=ns.pic_max_body_mb,
         max_json_depth=ns.pic_max_json_depth,
         shared_store=ns.pic_shared_store,
+        auto_chunk=ns.pic_auto_chunk,
         refused=refused,
         secret=secrets.token_hex(32),
     )

@@ -26,7 +26,10 @@ so that every chunk starts on a page boundary (``pad_chunk_starts``); the ``inpu
 on, the spans and SGLang's prompt token count all include them, as they are prefilled.
 
 OpenAI chat: a message with ``"pic_chunk": true``, or a text item of a content list with
-``"pic_chunk": true``, is a chunk; ``"pic": {"config": {...}}`` carries overrides.
+``"pic_chunk": true``, is a chunk; with auto-chunking (``--pic-auto-chunk`` or
+``"pic": {"auto_chunk": ...}``) tool results, documents and earlier turns are marked here,
+and tool schemas become chunks too (``chat_chunks``); ``"pic": {"config": {...}}`` carries
+overrides.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from sgl_pic.config import PicConfig
+from sgl_pic.integration.chat_chunks import chat_options, chat_prompt
 from sgl_pic.integration.spans import (
     INTERNAL_PREFIX,
     MAC_KEY,
@@ -66,7 +70,9 @@ class RequestTranslator:
     signer:     signs the marks of every rewritten request (None: unsigned, which the
                 scheduler does not honour; for tests of the rewrite alone).
     vocab_size: the model's vocabulary; token ids outside it are refused (None: unchecked
-                here, the scheduler still checks)."""
+                here, the scheduler still checks).
+    auto_chunk: roles whose chat messages are marked as chunks without a client mark
+                (``chat_chunks``; empty: only on a request's ``pic.auto_chunk``)."""
 
     def __init__(
         self,
@@ -74,10 +80,12 @@ class RequestTranslator:
         load_tokenizer: Callable[[], Any],
         signer: MarkSigner | None = None,
         vocab_size: int | None = None,
+        auto_chunk: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config
         self.signer = signer
         self.vocab_size = vocab_size
+        self.auto_chunk = auto_chunk
         self._load_tokenizer = load_tokenizer
         self._tokenizer: Any = None
         self._specials: SpecialTokens | None = None
@@ -146,59 +154,52 @@ class RequestTranslator:
             self.check_id_lists(prompt, "prompt")
 
     def chat(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """/v1/chat/completions: messages (or text items of a content list) marked with
-        ``"pic_chunk": true`` become chunks. The chat template is rendered here with each
-        chunk wrapped in delimiters, tokenized piecewise, and sent as SGLang's ``input_ids``
-        (which bypasses its own templating) plus the signed marks in ``custom_params``."""
+        """/v1/chat/completions: chunks marked by the client (``"pic_chunk": true`` on a
+        message or a text item) or by auto-chunking, and tool schemas (``chat_chunks``). The
+        chat template is rendered here with each chunk wrapped in delimiters, tokenized
+        piecewise, and sent as SGLang's ``input_ids`` (which bypasses its own templating)
+        plus the signed marks in ``custom_params``. None when the body passes on as it is."""
+        pic = obj.get("pic")
+        options = chat_options(pic, self.auto_chunk)
+        overrides = check_overrides(options.config, self.config)
+        roles = options.roles
+        if obj.get("chat_template_kwargs") or obj.get("continue_final_message"):
+            roles = frozenset()  # template options only SGLang's own templating applies
         messages = obj.get("messages")
-        if not isinstance(messages, list) or not _has_chat_marks(messages):
-            if "pic" in obj:
-                raise LayoutError("'pic' needs at least one message marked with 'pic_chunk'")
-            return None
-        d = self.config.delimiter
-        rendered_msgs = []
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict):
-                raise LayoutError(f"message {i} must be an object")
-            content = msg.get("content")
-            if isinstance(content, list):
-                parts = []
-                for j, item in enumerate(content):
-                    if not (isinstance(item, dict) and item.get("type") == "text"):
-                        raise LayoutError(
-                            f"message {i} item {j}: only text items may stand beside chunks"
-                        )
-                    text = item.get("text")
-                    if not isinstance(text, str):
-                        raise LayoutError(f"message {i} item {j}: 'text' must be a string")
-                    if d in text:
-                        raise LayoutError(f"message {i} item {j} contains the delimiter {d!r}")
-                    parts.append(d + text + d if item.get("pic_chunk") else text)
-                text = "".join(parts)
-            elif isinstance(content, str):
-                if d in content:
-                    raise LayoutError(f"message {i} contains the chunk delimiter {d!r}")
-                text = d + content + d if msg.get("pic_chunk") else content
-            else:
-                raise LayoutError(f"message {i} has no text content")
-            role = msg.get("role", "user")
-            if not isinstance(role, str):
-                raise LayoutError(f"message {i}: 'role' must be a string")
-            rendered_msgs.append({"role": role, "content": text})
-        prompt = self.tokenizer.apply_chat_template(
-            rendered_msgs, tokenize=False, add_generation_prompt=True
+        prompt = chat_prompt(
+            messages,
+            obj.get("tools"),
+            obj.get("tool_choice"),
+            roles,
+            self.config,
+            self._render_chat,
+            lambda t: self._tokenize(t, False),
         )
-        # The template already holds its special tokens as text.
-        ids, layout = split_on_delimiter(prompt, d, lambda t: self._tokenize(t, False))
-        ids, layout = self.align(ids, layout)
+        if isinstance(messages, list) and (prompt is not None or "pic" in obj):
+            obj["messages"] = [_strip_marks(m) for m in messages]
+        if prompt is None:
+            if "pic" not in obj:
+                return None
+            if not ((isinstance(pic, dict) and "auto_chunk" in pic) or options.roles):
+                raise LayoutError(
+                    "'pic' needs at least one message marked with 'pic_chunk', or auto_chunk"
+                )
+            del obj["pic"]  # auto-chunking found nothing to mark: SGLang serves it as it is
+            return obj
+        obj.pop("pic", None)
+        ids, layout = self.align(*prompt)
         check_limits(layout, self.config)
         self.check_ids(ids, "input_ids")
-        obj["messages"] = [_strip_marks(m) for m in messages]
         obj["input_ids"] = ids
         custom = _custom_params(obj.get("custom_params"))
-        custom.update(self._marks(ids, layout, self._overrides(obj.pop("pic", None))))
+        custom.update(self._marks(ids, layout, overrides))
         obj["custom_params"] = custom
         return obj
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
 
     def _overrides(self, pic: Any) -> dict[str, Any]:
         if pic is None:
@@ -427,20 +428,6 @@ def _custom_params(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _has_chat_marks(messages: list[Any]) -> bool:
-    for msg in messages:
-        if not isinstance(msg, dict):
-            continue
-        if msg.get("pic_chunk") is True:
-            return True
-        content = msg.get("content")
-        if isinstance(content, list) and any(
-            isinstance(item, dict) and item.get("pic_chunk") is True for item in content
-        ):
-            return True
-    return False
-
-
 def _strip_marks(msg: Any) -> Any:
     if not isinstance(msg, dict):
         return msg
@@ -485,6 +472,7 @@ def install(settings: Any, tokenizer_path: str) -> None:
             lambda: hf_tokenizer(tokenizer_path),
             signer=MarkSigner(settings.secret),
             vocab_size=model_vocab_size(settings.model_path),
+            auto_chunk=settings.auto_chunk_roles,
         ),
         max_body_bytes=settings.max_body_mb << 20,
         max_json_depth=settings.max_json_depth,

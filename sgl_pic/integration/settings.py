@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from sgl_pic.config import PicConfig
+from sgl_pic.integration.chat_chunks import parse_roles
 from sgl_pic.integration.layer_feed import FEED_MODES
 
 ENV_VAR = "SGLPIC_SETTINGS"  # not SGL_*: SGLang claims that prefix
@@ -39,6 +40,10 @@ class PicServerSettings:
     shared_store:         URL of a chunk store shared by several servers (e.g.
                           ``mooncake://HOST:PORT``, see ``sgl_pic.store.object_backend``);
                           "" turns the shared tier off.
+    auto_chunk:           roles whose messages /v1/chat/completions marks as chunks
+                          itself, a comma list of ``chat_chunks.AUTO_CHUNK_ROLES`` (tool
+                          results, documents, earlier turns by role); "" turns it off
+                          (requests may still ask with ``"pic": {"auto_chunk": ...}``).
     refused:              why chunk reuse is refused for this launch (a model that failed
                           ``--pic-check``); every request then runs as exact prefill. ''
                           when reuse is allowed.
@@ -60,6 +65,7 @@ class PicServerSettings:
     max_body_mb: int = 64
     max_json_depth: int = 64
     shared_store: str = ""
+    auto_chunk: str = ""
     refused: str = ""
     secret: str = field(default="", repr=False)
 
@@ -84,8 +90,15 @@ class PicServerSettings:
             from sgl_pic.store.object_backend import StoreAddress
 
             StoreAddress.parse(self.shared_store)  # ValueError naming what is wrong
+        if not isinstance(self.auto_chunk, str):
+            raise ValueError(f"auto_chunk must be a comma list of roles, got {self.auto_chunk!r}")
+        parse_roles(self.auto_chunk)  # ValueError naming the unknown role
         if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):
             raise ValueError("calibration picks r per host/disk tier: enable one of them")
+
+    @property
+    def auto_chunk_roles(self) -> frozenset[str]:
+        return parse_roles(self.auto_chunk)
 
     @property
     def has_lower_tiers(self) -> bool:

@@ -22,6 +22,14 @@ import torch
 
 from tests.integration.prompts import DOCS, body, ids
 from tests.integration.server import Server, launch
+from tests.integration.session_checks import (
+    CONTIG,
+    DISJOINT,
+    MISSES,
+    PREFIX,
+    offline_recompute,
+)
+from tests.integration.session_checks import SESSION_KEYS as KEYS
 
 pytestmark = pytest.mark.sglang
 
@@ -39,23 +47,6 @@ TURNS = [
     (["A", "C"], "Which of these cities lies on the equator?"),
     (["C", "E", "TOOLS"], "Which city is a port with funiculars?"),
 ]
-CONTIG = 'sgl_pic_chunk_hits_total{kind="contiguous"}'
-DISJOINT = 'sgl_pic_chunk_hits_total{kind="disjoint"}'
-MISSES = "sgl_pic_chunk_misses_total"
-PREFIX = "sgl_pic_chunk_device_prefix_total"
-KEYS = (
-    CONTIG,
-    DISJOINT,
-    MISSES,
-    PREFIX,
-    "sgl_pic_requests_total",
-    "sgl_pic_chunk_lookups_total",
-    "sgl_pic_recomputed_tokens_total",
-    "sgl_pic_new_tokens_total",
-    "sgl_pic_reused_tokens_total",
-    "sgl_pic_failures_total",
-    "sgl_pic_fallbacks_total",
-)
 
 
 class Turn(NamedTuple):
@@ -134,18 +125,7 @@ def session(server: Server) -> list[Turn]:
 
 
 def _offline(turn: Turn, prefix: int) -> torch.Tensor:
-    """The positions the executor recomputes for ``turn`` with device prefix ``prefix``
-    (# [k] int64): DARIC's selection, finalized (fresh and last tokens added, the prefix
-    dropped), plus the new part of any chunk straddling the prefix (executor ``_assemble``:
-    it has no independent KV to borrow), restricted to positions >= prefix (``_select``)."""
-    from sgl_pic.selection import SelectionContext, finalize, make_policy
-
-    layout = _layout(turn)
-    ctx = SelectionContext(layout, rankings=None, deviation=None, prefix_hit=prefix)
-    chosen = finalize(make_policy(_config()).select(ctx), layout, prefix).indices
-    forced = [torch.arange(prefix, s.end) for s in layout.chunks if s.start < prefix < s.end]
-    sel = torch.unique(torch.cat([chosen, *forced]))
-    return sel[sel >= prefix]
+    return offline_recompute(_layout(turn), prefix, _config())
 
 
 def test_turns_run_through_the_chunk_path(session: list[Turn]) -> None:

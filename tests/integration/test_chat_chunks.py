@@ -1,0 +1,612 @@
+"""Chat requests turned into chunks: auto-chunking of tool results, documents and earlier
+turns, tool schemas as chunks, long messages in windows (the embedded model's real
+tokenizer, no server); and one agent session through a server with ``--pic-auto-chunk``."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration.chat_chunks import (
+    TOOLS_HEADER,
+    chat_prompt,
+    parse_roles,
+    windows,
+)
+from sgl_pic.integration.http_ext import RequestTranslator
+from sgl_pic.integration.settings import PicServerSettings
+from sgl_pic.integration.spans import MarkSigner, decode
+from sgl_pic.layout import LayoutError, PromptLayout, Span
+from tests.integration.prompts import DOCS, ids, tokenizer
+from tests.integration.server import Server, launch
+from tests.integration.session_checks import (
+    CONTIG,
+    DISJOINT,
+    MISSES,
+    PREFIX,
+    offline_recompute,
+)
+from tests.integration.session_checks import SESSION_KEYS as KEYS
+
+ALL = frozenset({"tool", "document", "user", "assistant"})
+SYSTEM = "You are a travel agent. Answer in one short sentence."
+U1 = "Which city lies almost exactly on the equator?"
+A1 = "Let me look that up in the travel guide for you."
+U2 = "And which city is a port famous for its funiculars?"
+
+
+def tool(name: str, description: str, **props: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": v} for k, v in props.items()},
+                "required": sorted(props),
+            },
+        },
+    }
+
+
+SEARCH = tool("search", "Search the travel guide.", query="string")
+WEATHER = tool("weather", "Today's weather in a city.", city="string")
+BOOK = tool("book", "Book a hotel room.", city="string", date="string")
+
+
+def session() -> list[dict[str, Any]]:
+    """System prompt, a document, a finished turn with a tool result, the question, and a
+    tool result after it."""
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "name": "document", "content": DOCS["A"]},
+        {"role": "user", "content": U1},
+        {"role": "assistant", "content": A1},
+        {"role": "tool", "tool_call_id": "c1", "content": DOCS["C"]},
+        {"role": "user", "content": U2},
+        {"role": "assistant", "content": None, "tool_calls": [call("c2", "search", "port")]},
+        {"role": "tool", "tool_call_id": "c2", "content": DOCS["E"]},
+    ]
+
+
+def call(call_id: str, name: str, query: str) -> dict[str, Any]:
+    args = json.dumps({"query": query})
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def translator(
+    auto: frozenset[str] = frozenset(), config: PicConfig | None = None
+) -> RequestTranslator:
+    return RequestTranslator(config or PicConfig(), tokenizer, MarkSigner("k"), auto_chunk=auto)
+
+
+def chunk_ids(out: dict[str, Any], config: PicConfig | None = None) -> list[list[int]]:
+    """Token ids of each chunk of a rewritten chat request."""
+    layout = decode(out["custom_params"], config or PicConfig()).layout
+    return [out["input_ids"][s.start : s.end] for s in layout.chunks]
+
+
+def chunk_texts(out: dict[str, Any], config: PicConfig | None = None) -> list[str]:
+    return [tokenizer().decode(c) for c in chunk_ids(out, config)]
+
+
+def chat(t: RequestTranslator, body: dict[str, Any]) -> dict[str, Any] | None:
+    return t.chat(copy.deepcopy(body))
+
+
+# -- auto-chunking ---------------------------------------------------------------------
+
+
+def test_without_marks_or_auto_chunking_chat_passes_on_unchanged() -> None:
+    body = {"messages": session(), "tools": [SEARCH]}
+    assert chat(translator(), body) is None
+
+
+@pytest.mark.parametrize(
+    ("roles", "expected"),
+    [
+        # Earlier turns stop at the last user message (U2, the question): A1 is one, the
+        # tool call after U2 is not; tool results and documents count wherever they stand.
+        (ALL, [DOCS["A"], U1, A1, DOCS["C"], DOCS["E"]]),
+        (frozenset({"tool"}), [DOCS["C"], DOCS["E"]]),
+        (frozenset({"document"}), [DOCS["A"]]),
+        (frozenset({"user", "assistant"}), [DOCS["A"], U1, A1]),
+        (frozenset({"system"}), [SYSTEM]),
+    ],
+)
+def test_auto_chunking_marks_tool_results_documents_and_earlier_turns(
+    roles: frozenset[str], expected: list[str]
+) -> None:
+    out = chat(translator(roles), {"model": "m", "messages": session()})
+    assert out is not None
+    assert chunk_texts(out) == expected
+    # Each chunk is its message's text tokenized on its own.
+    assert chunk_ids(out) == [ids(t) for t in expected]
+    assert "pic" not in out and out["model"] == "m"
+
+
+def test_documents_are_messages_named_document_in_any_role() -> None:
+    msgs = [
+        {"role": "system", "name": "document", "content": DOCS["B"]},
+        {"role": "user", "content": U1},
+        {"role": "system", "name": "document", "content": DOCS["D"]},  # after the question
+        {"role": "user", "name": "notes", "content": DOCS["A"]},  # another name: not one
+    ]
+    out = chat(translator(frozenset({"document"})), {"messages": msgs})
+    assert out is not None
+    assert chunk_texts(out) == [DOCS["B"], DOCS["D"]]
+
+
+def test_the_question_is_fresh_and_becomes_a_chunk_once_answered() -> None:
+    tools = [SEARCH, WEATHER]
+    # Leading spaces: tokenized after the template's newline, they give other tokens than
+    # on their own, so only tokenizing every message text alone keeps the prefix.
+    question = "  " + U1
+    assert ids("user\n" + question) != ids("user\n") + ids(question)
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    turn2 = [*turn1, {"role": "assistant", "content": A1}, {"role": "user", "content": U2}]
+    out1 = chat(translator(ALL), {"messages": turn1, "tools": tools})
+    out2 = chat(translator(ALL), {"messages": turn2, "tools": tools})
+    assert out1 is not None and out2 is not None
+    assert question not in chunk_texts(out1)
+    assert question in chunk_texts(out2) and A1 in chunk_texts(out2)
+    # Every message text is tokenized on its own either way, so turn 1's prompt is a prefix
+    # of turn 2's: SGLang's prefix cache serves it as device prefix.
+    n = len(out1["input_ids"])
+    assert out2["input_ids"][:n] == out1["input_ids"]
+    layout2 = decode(out2["custom_params"], PicConfig()).layout
+    u1 = next(s for s in layout2.chunks if out2["input_ids"][s.start : s.end] == ids(question))
+    assert u1.end <= n  # the new chunk lies inside the previous turn's tokens
+
+
+def test_short_texts_stay_fresh() -> None:
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": U1},
+        {"role": "assistant", "content": A1},
+        {"role": "user", "content": U2},
+    ]
+    config = PicConfig(min_chunk_tokens=4)
+    assert len(ids("Hi")) < 4 and len(ids("Hello!")) < 4
+    out = chat(translator(ALL, config), {"messages": msgs})
+    assert out is not None
+    assert chunk_texts(out, config) == [U1, A1]
+
+
+def test_past_max_chunks_the_earliest_auto_chunks_stay_fresh() -> None:
+    msgs = [{"role": "tool", "content": DOCS[k]} for k in "ABCDE"]
+    msgs.insert(2, {"role": "user", "content": DOCS["B"] + " (mine)", "pic_chunk": True})
+    config = PicConfig(max_chunks=3)
+    out = chat(translator(ALL, config), {"messages": msgs})
+    assert out is not None
+    # The marked chunk stays; of the five tool results, the three earliest are left fresh.
+    assert chunk_texts(out, config) == [DOCS["B"] + " (mine)", DOCS["D"], DOCS["E"]]
+
+
+def test_explicit_marks_still_work_and_win() -> None:
+    msgs = session()
+    msgs[2]["pic_chunk"] = False  # kept out of auto-chunking
+    msgs[5] = {  # the question, with a marked text item
+        "role": "user",
+        "content": [
+            {"type": "text", "text": DOCS["D"], "pic_chunk": True},
+            {"type": "text", "text": U2},
+        ],
+    }
+    out = chat(translator(ALL), {"messages": msgs})
+    assert out is not None
+    assert chunk_texts(out) == [DOCS["A"], A1, DOCS["C"], DOCS["D"], DOCS["E"]]
+    assert all("pic_chunk" not in m for m in out["messages"])
+    assert "pic_chunk" not in out["messages"][5]["content"][0]
+    # Without auto-chunking, only the client's marks are chunks.
+    out = chat(translator(), {"messages": msgs})
+    assert out is not None
+    assert chunk_texts(out) == [DOCS["D"]]
+
+
+@pytest.mark.parametrize(
+    ("server", "option", "expected"),
+    [
+        (frozenset({"tool"}), False, None),
+        (frozenset(), True, [DOCS["A"], U1, A1, DOCS["C"], DOCS["E"]]),  # the default roles
+        (frozenset({"tool", "user"}), True, [DOCS["A"], U1, DOCS["C"], DOCS["E"]]),
+        (frozenset({"tool"}), ["user"], [DOCS["A"], U1]),
+        (frozenset({"tool"}), [], None),
+    ],
+)
+def test_the_request_option_overrides_the_server_flag(
+    server: frozenset[str], option: Any, expected: list[str] | None
+) -> None:
+    out = chat(translator(server), {"messages": session(), "pic": {"auto_chunk": option}})
+    assert out is not None and "pic" not in out
+    if expected is None:
+        assert "input_ids" not in out and "custom_params" not in out  # SGLang renders it
+    else:
+        assert chunk_texts(out) == expected
+
+
+def test_the_request_option_carries_overrides() -> None:
+    body = {"messages": session(), "pic": {"auto_chunk": ["tool"], "config": {"policy": "epic"}}}
+    out = chat(translator(), body)
+    assert out is not None
+    assert decode(out["custom_params"], PicConfig()).overrides == {"policy": "epic"}
+    # Overrides without any chunk are an error, unless auto-chunking was asked about.
+    with pytest.raises(LayoutError, match="needs at least one message marked"):
+        chat(translator(), {"messages": [{"role": "user", "content": U1}], "pic": {}})
+    plain = {"messages": [{"role": "user", "content": U1}], "pic": {"auto_chunk": True}}
+    assert chat(translator(), plain) == {"messages": plain["messages"]}
+
+
+def test_template_options_leave_auto_chunked_requests_to_sglang() -> None:
+    body = {"messages": session(), "chat_template_kwargs": {"enable_thinking": False}}
+    out = chat(translator(ALL), body)
+    assert out is None
+
+
+def test_auto_chunking_leaves_what_it_cannot_render_to_sglang() -> None:
+    d = PicConfig().delimiter
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    for msgs in (
+        [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": f"a {d} b"}],
+        [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": [image]}],
+    ):
+        assert chat(translator(ALL), {"messages": msgs}) is None
+        marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
+        with pytest.raises(LayoutError, match="delimiter|only text items"):
+            chat(translator(ALL), {"messages": marked})
+
+
+def test_a_template_that_rewrites_text_cannot_carry_chunks() -> None:
+    msgs = [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": U1}]
+
+    def trimming(messages: list[dict[str, Any]]) -> str:
+        return "".join(f"<{m['role']}>{m['content'][:-3]}" for m in messages)
+
+    def tok(text: str) -> list[int]:
+        return ids(text)
+
+    assert chat_prompt(msgs, None, None, ALL, PicConfig(), trimming, tok) is None
+    marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
+    with pytest.raises(LayoutError, match="verbatim"):
+        chat_prompt(marked, None, None, frozenset(), PicConfig(), trimming, tok)
+
+
+# -- tool schemas ----------------------------------------------------------------------
+
+
+def tool_chunks(tools: list[dict[str, Any]], **body: Any) -> dict[str, list[int]]:
+    """Tool name -> its chunk's token ids, of a request carrying ``tools``."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U1}]
+    out = chat(translator(frozenset({"tool"})), {"messages": msgs, "tools": tools, **body})
+    assert out is not None
+    found = {}
+    for c in chunk_ids(out):
+        schema = json.loads(tokenizer().decode(c))
+        found[schema["function"]["name"]] = c
+    return found
+
+
+def test_each_tool_schema_is_one_chunk_whatever_the_order_or_subset() -> None:
+    full = tool_chunks([SEARCH, WEATHER, BOOK])
+    assert sorted(full) == ["book", "search", "weather"]
+    for subset in ([BOOK, SEARCH], [WEATHER], [WEATHER, BOOK, SEARCH]):
+        got = tool_chunks(subset)
+        assert got == {name: full[name] for name in got}
+    # The same schema with its keys in another order: the same canonical text and tokens.
+    shuffled = json.loads(json.dumps(WEATHER))
+    shuffled["function"] = dict(reversed(list(shuffled["function"].items())))
+    shuffled = dict(reversed(list(shuffled.items())))
+    assert tool_chunks([shuffled])["weather"] == full["weather"]
+    canonical = json.dumps(WEATHER, sort_keys=True, separators=(", ", ": "))
+    assert full["weather"] == ids(canonical)
+
+
+def test_tools_go_at_the_end_of_the_first_system_message() -> None:
+    out = chat(
+        translator(frozenset({"tool"})),
+        {
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U1}],
+            "tools": [SEARCH],
+        },
+    )
+    assert out is not None
+    text = tokenizer().decode(out["input_ids"])
+    schema = json.dumps(SEARCH, sort_keys=True, separators=(", ", ": "))
+    assert text.startswith(f"<|im_start|>system\n{SYSTEM}\n\n{TOOLS_HEADER}{schema}\n<|im_end|>")
+    # Without a system message, one holding the tools is added in front.
+    out = chat(
+        translator(frozenset({"tool"})),
+        {"messages": [{"role": "user", "content": U1}], "tools": [SEARCH]},
+    )
+    assert out is not None
+    text = tokenizer().decode(out["input_ids"])
+    assert text.startswith(
+        f"<|im_start|>system\n{TOOLS_HEADER}{schema}\n<|im_end|>\n<|im_start|>user"
+    )
+    # SGLang keeps the tools (it parses tool calls with them) and renders no prompt.
+    assert out["tools"] == [SEARCH]
+
+
+def test_tools_follow_tool_choice_and_any_chunk_mark() -> None:
+    assert sorted(tool_chunks([SEARCH, WEATHER], tool_choice="auto")) == ["search", "weather"]
+    named = {"type": "function", "function": {"name": "weather"}}
+    assert sorted(tool_chunks([SEARCH, WEATHER], tool_choice=named)) == ["weather"]
+    msgs = [{"role": "user", "content": U1}]
+    out = chat(
+        translator(frozenset({"tool"})),
+        {"messages": msgs, "tools": [SEARCH], "tool_choice": "none"},
+    )
+    assert out is None  # nothing left to chunk
+    # A client's mark makes tools chunks too, with auto-chunking off.
+    marked = [{"role": "user", "content": DOCS["A"], "pic_chunk": True}, *msgs]
+    out = chat(translator(), {"messages": marked, "tools": [SEARCH, WEATHER]})
+    assert out is not None
+    assert len(chunk_texts(out)) == 3 and chunk_texts(out)[2] == DOCS["A"]
+
+
+# -- long messages ---------------------------------------------------------------------
+
+LONG = " ".join(DOCS[k] for k in "ABCDE" * 3)
+
+
+def test_windows_are_fixed_token_counts_with_the_tail_joined() -> None:
+    assert windows(Span(10, 74), 64, 4) == [Span(10, 74)]
+    assert windows(Span(0, 130), 64, 4) == [Span(0, 64), Span(64, 130)]
+    assert windows(Span(0, 133), 64, 4) == [Span(0, 64), Span(64, 128), Span(128, 133)]
+
+
+def test_a_long_message_gives_the_same_window_chunks_wherever_it_appears() -> None:
+    config = PicConfig(segment_tokens=64)
+    n = len(ids(LONG))
+    assert n > 3 * 64
+    first = [{"role": "tool", "content": LONG}, {"role": "user", "content": U1}]
+    later = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": U2},
+        {"role": "assistant", "content": A1},
+        {"role": "tool", "content": DOCS["B"]},
+        {"role": "tool", "content": LONG},
+        {"role": "user", "content": U1},
+    ]
+    a = chat(translator(frozenset({"tool"}), config), {"messages": first})
+    b = chat(translator(frozenset({"tool"}), config), {"messages": later})
+    assert a is not None and b is not None
+    wa, wb = chunk_ids(a, config), chunk_ids(b, config)[1:]
+    assert wa == wb
+    assert [len(w) for w in wa[:-1]] == [64] * (len(wa) - 1) and 4 <= len(wa[-1]) < 64 + 4
+    assert sum(wa, []) == ids(LONG)  # the message's own tokenization, cut in windows
+    layout = decode(b["custom_params"], config).layout
+    assert layout.chunks[1].start != decode(a["custom_params"], config).layout.chunks[0].start
+    # A client's chunk is kept whole, however long.
+    marked = [{"role": "user", "content": LONG, "pic_chunk": True}, first[1]]
+    out = chat(translator(frozenset(), config), {"messages": marked})
+    assert out is not None and chunk_ids(out, config) == [ids(LONG)]
+
+
+def test_auto_chunks_start_on_pages() -> None:
+    config = PicConfig(segment_tokens=64, page_size=16)
+    out = chat(
+        translator(frozenset({"tool"}), config),
+        {"messages": [{"role": "user", "content": U1}, {"role": "tool", "content": LONG}]},
+    )
+    assert out is not None
+    layout = decode(out["custom_params"], config).layout
+    assert len(layout.chunks) > 2 and all(s.start % 16 == 0 for s in layout.chunks)
+
+
+# -- malformed input -------------------------------------------------------------------
+
+
+def _fn(**fn: Any) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": fn}]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"pic": {"auto_chunk": "tool"}}, "must be true, false or a list of roles"),
+        ({"pic": {"auto_chunk": 1}}, "must be true, false or a list of roles"),
+        ({"pic": {"auto_chunk": None}}, "must be true, false or a list of roles"),
+        ({"pic": {"auto_chunk": ["tool", "robot"]}}, r"'pic.auto_chunk'\[1\] = 'robot' is not"),
+        ({"pic": {"auto_chunk": [["tool"]]}}, r"'pic.auto_chunk'\[0\]"),
+        ({"pic": {"autochunk": True}}, r"unknown field\(s\) \['autochunk'\]"),
+        ({"pic": "yes"}, "'pic' must be an object"),
+        ({"pic": {"config": {"daric_r": 2.0}}}, "daric_r"),
+        ({"tools": {"search": SEARCH}}, "'tools' must be a list"),
+        ({"tools": ["search"]}, "tool 0 must be an object"),
+        ({"tools": [{"type": "function"}]}, "tool 0: 'function' must be an object"),
+        ({"tools": _fn(description="no name")}, r"'function.name' must be a non-empty string"),
+        ({"tools": _fn(name="")}, r"'function.name' must be a non-empty string"),
+        ({"tools": _fn(name=7)}, r"'function.name' must be a non-empty string"),
+        ({"tools": _fn(name="a", parameters="{}")}, "must be a JSON schema object"),
+        ({"tools": _fn(name="a", parameters=[1])}, "must be a JSON schema object"),
+        ({"tools": _fn(name="a", description=3)}, "'function.description' must be a string"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "only 'function'"),
+        ({"tools": [SEARCH, SEARCH]}, "'search' is used by another tool"),
+        ({"tools": [SEARCH], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+        ({"messages": ["hi"]}, "message 0 must be an object"),
+        ({"messages": [{"role": 3, "content": "x"}]}, "'role' must be a string"),
+        ({"messages": [{"role": "user", "content": 5}]}, "'content' must be a string"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "'text' must be a string",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "pic_chunk": True,
+                        "content": [{"type": "text", "text": U1, "pic_chunk": True}],
+                    }
+                ]
+            },
+            "mark either the message or its items",
+        ),
+        ({"messages": [{"role": "user", "content": "", "pic_chunk": True}]}, "empty"),
+    ],
+)
+def test_malformed_chat_requests_raise_layout_error(body: dict[str, Any], needle: str) -> None:
+    req = {"messages": session(), **body}
+    with pytest.raises(LayoutError, match=needle):
+        chat(translator(ALL), req)
+
+
+@pytest.mark.parametrize("bad", ["tool,robot", "tool,,user", "Tool", ",", 3, None])
+def test_bad_auto_chunk_settings_are_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="auto_chunk"):
+        PicServerSettings(PicConfig(), auto_chunk=bad)
+
+
+def test_auto_chunk_setting_parses_and_reaches_the_launcher() -> None:
+    from sgl_pic.launch_server import build
+
+    assert parse_roles("") == frozenset()
+    assert parse_roles(" tool , user ") == frozenset({"tool", "user"})
+    assert PicServerSettings(PicConfig(), auto_chunk="tool,document").auto_chunk_roles == {
+        "tool",
+        "document",
+    }
+    argv, ns, _ = build(["--model-path", "/m", "--pic-auto-chunk", "tool,user"])
+    assert ns.pic_auto_chunk == "tool,user"
+    assert not any(a.startswith("--pic-") for a in argv)
+    assert build(["--model-path", "/m"])[1].pic_auto_chunk == ""  # off by default
+
+
+# -- one agent session through the server ----------------------------------------------
+
+SERVER_ROLES = "tool,user,assistant"
+N_AVG = 4.0  # as test_sessions.py: at DARIC's default 32 the budget covers every new token
+# Turn k + 1 appends the assistant's answer with a tool call, its results and a question.
+# Turn 3's second search returns turn 2's result again (an agent re-reading a page).
+FOLLOW_UPS = [
+    ([("c1", "equator")], [DOCS["C"]], U2),
+    ([("c2", "port"), ("c3", "equator")], [DOCS["E"], DOCS["C"]], "Which of the two is a capital?"),
+]
+
+
+@pytest.fixture(scope="module")
+def agent_server() -> Iterator[Server]:
+    with launch(
+        "--pic-auto-chunk",
+        SERVER_ROLES,
+        "--pic-policy",
+        "daric",
+        "--pic-n-avg",
+        str(N_AVG),
+        "--enable-cache-report",
+    ) as s:
+        yield s
+
+
+@pytest.mark.sglang
+def test_agent_session_reuses_tool_results_and_earlier_turns(agent_server: Server) -> None:
+    from sgl_pic.selection import daric_budget
+
+    config = PicConfig(policy="daric", daric_n_avg=N_AVG)
+    local = RequestTranslator(config, tokenizer, auto_chunk=parse_roles(SERVER_ROLES))
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": U1},
+    ]
+    stored: set[tuple[int, ...]] = set()  # chunks computed by an earlier miss
+    turns: list[tuple[list[int], PromptLayout]] = []
+    partial = 0  # turns where DARIC left some new chunk token reused
+    for k in range(len(FOLLOW_UPS) + 1):
+        body = {
+            "model": "default",
+            "messages": messages,
+            "tools": [SEARCH, WEATHER],
+            "temperature": 0,
+            "max_tokens": 12,
+            "return_input_ids_in_sglext": True,
+        }
+        mine = local.chat(copy.deepcopy(body))
+        assert mine is not None
+        toks, layout = mine["input_ids"], decode(mine["custom_params"], config).layout
+        before = agent_server.metrics()
+        r = requests.post(agent_server.url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        d = {key: agent_server.metrics().get(key, 0.0) - before.get(key, 0.0) for key in KEYS}
+        out = r.json()
+        # The server rendered exactly the prompt the translator renders here.
+        assert out["sglext"]["input_ids"] == toks, k
+        cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert d["sgl_pic_requests_total"] == 1, (k, d)
+        assert d["sgl_pic_failures_total"] == 0 and d["sgl_pic_fallbacks_total"] == 0, (k, d)
+        assert d["sgl_pic_chunk_lookups_total"] == len(layout.chunks), (k, d)
+        assert d["sgl_pic_new_tokens_total"] == len(toks) - cached, (k, d)
+
+        span_ids = [tuple(toks[s.start : s.end]) for s in layout.chunks]
+        inside = [s for s in layout.chunks if s.end <= cached]
+        past = [(s, t) for s, t in zip(layout.chunks, span_ids, strict=True) if s.start >= cached]
+        hits = [t for _, t in past if t in stored]
+        assert d[PREFIX] == len(inside), (k, cached, d)
+        assert d[CONTIG] + d[DISJOINT] == len(hits), (k, d)
+        assert d[MISSES] == len(past) - len(hits), (k, d)
+        stored.update(t for _, t in past if t not in stored)
+        if k == 0:
+            assert cached == 0 and d[MISSES] == 2  # the two tool schemas
+        else:
+            # The previous turn (prompt, and what of its answer SGLang cached) is device
+            # prefix: its tool schemas and the earlier question among the chunks inside.
+            prev_toks, _ = turns[-1]
+            assert cached >= len(prev_toks), (k, cached, len(prev_toks))
+            assert tuple(ids(U1)) in {tuple(toks[s.start : s.end]) for s in inside}
+            assert d[PREFIX] >= 3, (k, d)
+        if k == 2:
+            # The repeated search result is a chunk hit at its new place.
+            assert tuple(ids(DOCS["C"])) in hits and d[CONTIG] + d[DISJOINT] >= 1, (k, d)
+        # The server recomputed what DARIC selects on the translator's layout.
+        sel = offline_recompute(layout, cached, config)
+        assert d["sgl_pic_recomputed_tokens_total"] == sel.numel(), (k, d)
+        partial += sel.numel() < len(toks) - cached
+        turns.append((toks, layout))
+
+        if k < len(FOLLOW_UPS):
+            calls, results, question = FOLLOW_UPS[k]
+            answer = out["choices"][0]["message"]["content"] or ""
+            messages = [
+                *messages,
+                {
+                    "role": "assistant",
+                    "content": answer,
+                    "tool_calls": [call(cid, "search", q) for cid, q in calls],
+                },
+                *(
+                    {"role": "tool", "tool_call_id": cid, "content": res}
+                    for (cid, _), res in zip(calls, results, strict=True)
+                ),
+                {"role": "user", "content": question},
+            ]
+
+    assert partial > 0  # the selection comparison can tell a partial selection from all
+
+    # DARIC's budgets on the session's layouts: within a turn they grow with the segment
+    # index; a segment kept at its index in the next turn gets no more (Proposition 1).
+    strictly_smaller = 0
+    for k, (_, layout) in enumerate(turns):
+        segs = layout.segments()
+        b = daric_budget(len(segs), config.daric_n_avg, config.daric_r, config.daric_mtaf)
+        assert list(b.per_chunk_tokens) == sorted(b.per_chunk_tokens), k
+        if k + 1 == len(turns):
+            continue
+        nxt = turns[k + 1][1].segments()
+        b_next = daric_budget(len(nxt), config.daric_n_avg, config.daric_r, config.daric_mtaf)
+        kept = 0
+        for i in range(1, len(segs)):
+            if nxt[i] != segs[i]:
+                break  # the segments after it moved (the question became a chunk)
+            kept += 1
+            assert b_next.per_chunk[i - 1] <= b.per_chunk[i - 1] + 1e-9, (k, i)
+            strictly_smaller += b_next.per_chunk[i - 1] < b.per_chunk[i - 1] - 1e-9
+        assert kept >= 3, k  # at least the tool schemas keep their places
+    assert strictly_smaller > 0
