@@ -15,6 +15,7 @@ from sgl_pic.config import MTAF_NAMES, PicConfig
 from sgl_pic.integration.chat_chunks import AUTO_CHUNK_ROLES
 from sgl_pic.integration.layer_feed import FEED_MODES
 from sgl_pic.registry import POLICIES
+from sgl_pic.store.eviction import EVICTION_POLICIES
 
 PIC_FLAGS: dict[str, str] = {
     # flag -> PicConfig field
@@ -79,6 +80,12 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         help=f"disk tier directory (default {_default_disk_dir()}; '' turns it off)",
     )
     g.add_argument("--pic-disk-cache-mb", type=int, default=8192, help="disk tier, MiB")
+    g.add_argument(
+        "--pic-eviction",
+        choices=EVICTION_POLICIES,
+        default="gdsf",
+        help="eviction order of chunk nodes, host and disk tiers (gdsf: recency, hits, size)",
+    )
     g.add_argument(
         "--pic-calibrate",
         action="store_true",
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         if ns.pic_disk_cache_dir is None
         else ns.pic_disk_cache_dir,
         disk_cache_mb=ns.pic_disk_cache_mb,
+        eviction=ns.pic_eviction,
         calibrate=ns.pic_calibrate,
         feed_mode=ns.pic_feed_mode,
         feed_timeout_s=ns.pic_feed_timeout_s,

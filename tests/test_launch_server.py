@@ -38,6 +38,7 @@ def test_disable_serves_plain_sglang() -> None:
         {"device_cache_fraction": 1.5},
         {"host_cache_mb": -1},
         {"feed_mode": "cuda"},
+        {"eviction": "mru"},
         {"calibrate": True, "host_cache_mb": 0, "disk_cache_dir": ""},
     ],
 )
@@ -51,3 +52,12 @@ def test_settings_travel_through_the_environment(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("SGLPIC_SETTINGS", raising=False)
     s.to_env()
     assert PicServerSettings.from_env() == s
+
+
+def test_eviction_policy_reaches_the_settings() -> None:
+    assert build(MODEL)[1].pic_eviction == "gdsf"  # the default keeps the hot set
+    _, ns, _ = build([*MODEL, "--pic-eviction", "lru"])
+    assert ns.pic_eviction == "lru"
+    assert PicServerSettings(PicConfig(), eviction=ns.pic_eviction).eviction == "lru"
+    with pytest.raises(SystemExit):
+        build([*MODEL, "--pic-eviction", "mru"])

@@ -230,10 +230,10 @@ def _delimited_messages(
         chosen = _auto_chosen(role, msg.get("name"), i < last_user, roles)
         contents.append(_content(i, msg, auto, chosen, d))
         rendered.append(_template_message(role, msg))
-    tool_texts = _tool_texts(tools, tool_choice)
-    if tool_texts:
+    shown = tool_texts(tools, tool_choice)
+    if shown:
         segs: _Segments = [TOOLS_HEADER]
-        for text in tool_texts:
+        for text in shown:
             if d in text:
                 raise _Unrenderable(f"a tool schema contains the chunk delimiter {d!r}")
             segs += [Piece(text, PieceKind.AUTO), "\n"]
@@ -356,8 +356,9 @@ def _decoded_call(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}}
 
 
-def _tool_texts(tools: Any, tool_choice: Any) -> list[str]:
-    """Canonical JSON of each tool the prompt shows (validated)."""
+def tool_texts(tools: Any, tool_choice: Any) -> list[str]:
+    """Canonical JSON of each tool the prompt shows (validated). The prompt holds
+    ``TOOLS_HEADER`` and then each of them on its own line."""
     if tools is None:
         return []
     if not isinstance(tools, list):

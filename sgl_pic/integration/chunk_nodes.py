@@ -9,7 +9,9 @@ evictable (unlocked) or protected (locked) beside SGLang's own prefix nodes.
 
 A node is immutable once inserted: hits are copied out into the request's own slots and
 re-rotated there. Eviction takes leaves only (a segment whose successor is held stays, or
-the successor could never hit again), least recently used first, never a locked node.
+the successor could never hit again), never a locked node, in the table's policy order
+(``sgl_pic.store.eviction``: LRU, LFU, or GDSF, which weighs recency, hits and size so a
+stream of novel chunks does not push out the ones in steady use).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
+from sgl_pic.store.eviction import check_policy, gdsf_priority
 
 
 @dataclass
@@ -42,6 +45,7 @@ class ChunkNode:
     children: int = 0
     last_access: int = 0
     hits: int = 0
+    priority: float = 0.0  # GDSF's (the table's policy may ignore it)
 
     @property
     def kv_slots(self) -> torch.Tensor:
@@ -73,6 +77,7 @@ class ChunkNodeTable:
                ``page_size``); every slot a node holds came from it and returns to it.
     capacity_tokens: most slots the nodes may hold together; inserting beyond it evicts
                unlocked leaves first and gives up (returns None) if that is not enough.
+    policy:    eviction order among unlocked leaves: "lru", "lfu" or "gdsf".
 
     Not thread-safe: SGLang's scheduler thread owns it, as it owns the prefix tree.
     """
@@ -83,9 +88,14 @@ class ChunkNodeTable:
         fingerprint: ModelFingerprint,
         segment_tokens: int,
         capacity_tokens: int,
+        policy: str = "lru",
     ) -> None:
         if capacity_tokens < 0:
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+        check_policy(policy)
+        self.policy = policy
+        self._age = 0.0  # GDSF's inflation value: the priority of the last node evicted
+        self.evicted_nodes = 0  # cumulative, for the metrics
         self.allocator = allocator
         self.fingerprint = fingerprint
         self.segment_tokens = segment_tokens
@@ -134,6 +144,7 @@ class ChunkNodeTable:
         for n in held:
             n.last_access = now
             n.hits += 1
+            n.priority = gdsf_priority(self._age, n.hits + 1, n.allocated)
         rankings = [n.ranking for n in held]
         ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
         return ChunkHit(held, ranking)
@@ -190,6 +201,7 @@ class ChunkNodeTable:
                 num_tokens=n,
                 ranking=None if ranking is None else ranking[k.start : k.end].clone(),
                 last_access=now,
+                priority=gdsf_priority(self._age, 1, take),
             )
             at += take
             self._nodes[k.digest] = node
@@ -219,19 +231,28 @@ class ChunkNodeTable:
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_tokens: int) -> int:
-        """Frees unlocked leaf nodes, least recently used first, until ``num_tokens``
-        slots are back in the allocator or none is left; returns the slots freed."""
+        """Frees unlocked leaf nodes in policy order until ``num_tokens`` slots are back in
+        the allocator or none is left; returns the slots freed."""
         freed = 0
         while freed < num_tokens:
             victims = [n for n in self._nodes.values() if n.lock_ref == 0 and n.children == 0]
             if not victims:
                 break
-            victims.sort(key=lambda n: n.last_access)
+            victims.sort(key=self._order)
             for n in victims:
                 freed += self._remove(n)
+                self.evicted_nodes += 1
+                self._age = max(self._age, n.priority)
                 if freed >= num_tokens:
                     break
         return freed
+
+    def _order(self, node: ChunkNode) -> tuple[float, int]:
+        if self.policy == "gdsf":
+            return node.priority, node.last_access
+        if self.policy == "lfu":
+            return node.hits, node.last_access
+        return 0, node.last_access
 
     def _remove(self, node: ChunkNode) -> int:
         del self._nodes[node.key]
@@ -252,4 +273,5 @@ class ChunkNodeTable:
         self._nodes.clear()
         self._allocated = 0
         self._locked = 0
+        self._age = 0.0
         self.generation += 1

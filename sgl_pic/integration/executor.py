@@ -186,6 +186,11 @@ class ChunkExecutor:
             assert plan.stats is not None
             self.metrics.record(plan.stats)
         self.metrics.node_tokens.set(self.nodes.allocated_tokens)
+        evictions = {"device": self.nodes.evicted_nodes}
+        if self.lower is not None:
+            evictions["host"] = self.lower.store.host.stats().evictions
+            evictions["disk"] = self.lower.store.disk.stats().evictions
+        self.metrics.record_evictions(evictions)
         return hidden
 
     def close(self) -> None:

@@ -153,7 +153,13 @@ class PicMetrics:
             "stored it; failed; skipped: store down)",
             ["outcome"],
         )
+        self.evictions = Counter(
+            "sgl_pic_evictions",
+            "Cached chunk segments evicted, by tier (device: chunk nodes; host; disk)",
+            ["tier"],
+        )
         self._errors_seen: dict[str, int] = {}
+        self._evictions_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
             "sgl_pic_last_hit_rate",
             "Chunk hit rate of the last request",
@@ -194,3 +200,11 @@ class PicMetrics:
             if gained > 0:
                 self.store_errors.labels(kind=kind).inc(gained)
             self._errors_seen[kind] = total
+
+    def record_evictions(self, totals: Mapping[str, int]) -> None:
+        """Adds what each tier's cumulative eviction count gained since the last call."""
+        for tier, total in totals.items():
+            gained = total - self._evictions_seen.get(tier, 0)
+            if gained > 0:
+                self.evictions.labels(tier=tier).inc(gained)
+            self._evictions_seen[tier] = total

@@ -83,7 +83,9 @@ def build_tree_cache(ctx: Any) -> Any:
     capacity = int(settings.device_cache_fraction * pool_tokens) if support.ok else 0
 
     def make_table(allocator: Any) -> ChunkNodeTable:
-        return ChunkNodeTable(allocator, fingerprint, settings.config.segment_tokens, capacity)
+        return ChunkNodeTable(
+            allocator, fingerprint, settings.config.segment_tokens, capacity, settings.eviction
+        )
 
     cache = radix_cache.build(ctx, make_table)
     assert cache.chunk_nodes is not None
@@ -188,12 +190,16 @@ def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, metric
 
     pre = dataclasses.replace(fingerprint, pre_rope=True)
     if settings.disk_cache_dir:
-        disk = DiskStoreConfig(settings.disk_cache_dir, settings.disk_cache_mb * 2**20)
+        disk = DiskStoreConfig(
+            settings.disk_cache_dir, settings.disk_cache_mb * 2**20, policy=settings.eviction
+        )
         write_back = "on_put"
     else:
         disk = DiskStoreConfig(tempfile.mkdtemp(prefix="sgl_pic_nodisk_"), 0)
         write_back = "on_evict"
-    host = HostStoreConfig(settings.host_cache_mb * 2**20, write_back=write_back)
+    host = HostStoreConfig(
+        settings.host_cache_mb * 2**20, policy=settings.eviction, write_back=write_back
+    )
     # Disk hits enter host memory only when it exists; a zero-capacity host tier would
     # make every promotion a wasted full read.
     has_host = settings.host_cache_mb > 0

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from sgl_pic.config import PicConfig
 from sgl_pic.integration.chat_chunks import parse_roles
 from sgl_pic.integration.layer_feed import FEED_MODES
+from sgl_pic.store.eviction import check_policy
 
 ENV_VAR = "SGLPIC_SETTINGS"  # not SGL_*: SGLang claims that prefix
 BACKEND_NAME = "sgl_pic"
@@ -44,6 +45,10 @@ class PicServerSettings:
                           itself, a comma list of ``chat_chunks.AUTO_CHUNK_ROLES`` (tool
                           results, documents, earlier turns by role); "" turns it off
                           (requests may still ask with ``"pic": {"auto_chunk": ...}``).
+    eviction:             eviction order of chunk nodes, host and disk tiers: "gdsf"
+                          (recency, hits and size: a stream of novel chunks does not push
+                          out the ones in steady use), "lru" or "lfu"
+                          (``sgl_pic.store.eviction``).
     refused:              why chunk reuse is refused for this launch (a model that failed
                           ``--pic-check``); every request then runs as exact prefill. ''
                           when reuse is allowed.
@@ -66,6 +71,7 @@ class PicServerSettings:
     max_json_depth: int = 64
     shared_store: str = ""
     auto_chunk: str = ""
+    eviction: str = "gdsf"
     refused: str = ""
     secret: str = field(default="", repr=False)
 
@@ -76,6 +82,7 @@ class PicServerSettings:
             )
         if self.host_cache_mb < 0 or self.disk_cache_mb < 0:
             raise ValueError("host_cache_mb and disk_cache_mb must be >= 0")
+        check_policy(self.eviction)
         if self.feed_mode not in FEED_MODES:
             raise ValueError(
                 f"unknown feed_mode {self.feed_mode!r}; valid: {', '.join(FEED_MODES)}"

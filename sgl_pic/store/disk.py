@@ -1,5 +1,5 @@
-"""Disk tier: one chunk file per segment under a root directory, with a capacity, LRU or
-LFU eviction, and an index rebuilt from the files at start-up.
+"""Disk tier: one chunk file per segment under a root directory, with a capacity, LRU, LFU or
+GDSF eviction, and an index rebuilt from the files at start-up.
 
 Paths come only from key digests (``<root>/<2 hex>/<64 hex>.sglkv``). A bad file is
 never served: it is counted, dropped from the index (and deleted when it is ours and
@@ -71,7 +71,7 @@ _BAD_FILE: dict[type[StoreError], tuple[str, bool]] = {
 class DiskStoreConfig:
     """root:               directory of the tier (created if missing).
     capacity_bytes:     file bytes (headers included) the tier may hold, >= 0.
-    policy:             "lru" or "lfu" (see HostStoreConfig).
+    policy:             "lru", "lfu" or "gdsf" (see HostStoreConfig).
     block_tokens:       tokens per payload checksum block: smaller blocks make sparse
                         reads verify (and touch) fewer bytes, at 32 header bytes each.
     stale_tmp_seconds:  temp files older than this at start-up are leftovers of a crash

@@ -3,6 +3,14 @@ eviction order, and the byte-capacity, lock and counter logic built on them.
 
 DARIC (3.3.2) keeps a timestamp and an access count on every cached segment for
 eviction; LRU orders by the first, LFU by the second with recency breaking ties.
+
+GDSF (greedy-dual-size-frequency, Cherkasova 1998) weighs all three: an entry's priority is
+``age + accesses / size``, refreshed on every access, and the store's age rises to each
+evicted entry's priority. A stream of novel chunks, each used once, enters at ``age + 1 /
+size`` and leaves before a chunk used k times, until the age has climbed k / size, that is
+until the cache has turned over about k times with nothing touching that chunk: LRU would
+drop it after one turnover. A hit counts once whatever the chunk's length (the hit rate
+counts chunks), so per byte held a small chunk earns more.
 """
 
 from __future__ import annotations
@@ -17,7 +25,13 @@ from types import MappingProxyType
 
 from sgl_pic.store.base import ChunkKV, ChunkStore, StoreStats, check_key
 
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu", "gdsf")
+
+
+def gdsf_priority(age: float, accesses: int, size: int) -> float:
+    """GDSF's priority of an entry of ``size`` (bytes or slots) used ``accesses`` times,
+    at the store's current ``age``."""
+    return age + accesses / max(size, 1)
 
 
 @dataclass
@@ -34,11 +48,13 @@ class EntryMeta:
     last_access_time: float
     access_count: int = 0
     locks: int = 0
+    priority: float = 0.0  # GDSF's; set by the store on insert and on every access
 
-    def touch(self, clock: itertools.count) -> None:
+    def touch(self, clock: itertools.count, age: float) -> None:
         self.last_access = next(clock)
         self.last_access_time = time.time()
         self.access_count += 1
+        self.priority = gdsf_priority(age, self.access_count + 1, self.nbytes)
 
 
 def check_policy(policy: str) -> None:
@@ -53,6 +69,8 @@ def eviction_order(entries: Mapping[str, EntryMeta], policy: str) -> list[str]:
     unlocked = [(k, e) for k, e in entries.items() if e.locks == 0]
     if policy == "lfu":
         unlocked.sort(key=lambda ke: (ke[1].access_count, ke[1].last_access))
+    elif policy == "gdsf":
+        unlocked.sort(key=lambda ke: (ke[1].priority, ke[1].last_access))
     else:
         unlocked.sort(key=lambda ke: ke[1].last_access)
     return [k for k, _ in unlocked]
@@ -75,6 +93,7 @@ class BoundedStore(ChunkStore):
         self._lock = threading.Lock()
         self._entries: dict[str, EntryMeta] = {}
         self._clock = itertools.count()
+        self._age = 0.0  # GDSF's inflation value: the priority of the last entry evicted
         self._used = 0  # sum of the entries' nbytes, kept so puts need not re-add them
         self._counts: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
@@ -130,13 +149,14 @@ class BoundedStore(ChunkStore):
         if entry is None:
             self._counts["misses"] += 1
             return False
-        entry.touch(self._clock)
+        entry.touch(self._clock, self._age)
         return True
 
     def _add_locked(self, key: str, nbytes: int, last_access_time: float | None = None) -> None:
         """Index a new entry as the most recently used (its wall time defaults to now)."""
         when = time.time() if last_access_time is None else last_access_time
-        self._entries[key] = EntryMeta(nbytes, next(self._clock), when)
+        priority = gdsf_priority(self._age, 1, nbytes)
+        self._entries[key] = EntryMeta(nbytes, next(self._clock), when, priority=priority)
         self._used += nbytes
 
     def _forget_locked(self, key: str) -> EntryMeta | None:
@@ -158,6 +178,7 @@ class BoundedStore(ChunkStore):
             self._used -= entry.nbytes
             freed += entry.nbytes
             out.append((key, entry.nbytes))
+            self._age = max(self._age, entry.priority)
             self._counts["evictions"] += 1
             self._counts["evicted_bytes"] += entry.nbytes
         return out

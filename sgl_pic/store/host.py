@@ -1,4 +1,4 @@
-"""Host-memory tier: a byte-capacity cache of chunk records with LRU or LFU eviction,
+"""Host-memory tier: a byte-capacity cache of chunk records with LRU, LFU or GDSF eviction,
 locking, pinned buffers when CUDA is present, and a background write-back queue."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ WRITE_BACK_MODES: tuple[str, ...] = ("on_put", "on_evict")
 class HostStoreConfig:
     """capacity_bytes: payload bytes (K and V) the tier may hold, >= 0.
     policy:          "lru" evicts the least recently used entry first; "lfu" the least
-                     often used, ties broken by recency.
+                     often used, ties broken by recency; "gdsf" the lowest
+                     greedy-dual-size-frequency priority (``sgl_pic.store.eviction``).
     pin_memory:      copy records into page-locked memory when CUDA is available, so
                      host-to-device copies can be asynchronous. Ignored without CUDA.
     write_back:      when records go to the write-back sink (if the store has one):

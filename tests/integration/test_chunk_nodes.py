@@ -25,10 +25,10 @@ SEG = 4
 
 
 def make_table(
-    capacity: int = 64, page_size: int = 1, pages: int = 64, seg: int = SEG
+    capacity: int = 64, page_size: int = 1, pages: int = 64, seg: int = SEG, policy: str = "lru"
 ) -> tuple[ChunkNodeTable, FakeAllocator]:
     alloc = FakeAllocator(pages, page_size)
-    return ChunkNodeTable(alloc, FP, seg, capacity), alloc
+    return ChunkNodeTable(alloc, FP, seg, capacity, policy), alloc
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -244,6 +244,63 @@ def test_eviction_takes_leaves_from_the_tail_of_a_chunk() -> None:
     assert table.evict(100) == 4 and len(table) == 0
     assert table.evict(100) == 0
     assert_released(table, alloc)
+
+
+def churn(policy: str, rounds: int = 6) -> tuple[int, int, int]:
+    """Two hot chunks used every round; between rounds, more novel chunks than the table
+    holds. (hot hits, evicted nodes, novel chunks of the last round still held)."""
+    table, alloc = make_table(capacity=24, policy=policy)  # six one-segment chunks
+    hot = [toks(1000, 4), toks(2000, 4)]
+
+    def use(t: list[int]) -> bool:
+        if table.match(t) is not None:
+            return True
+        assert table.insert(t, None) is not None
+        return False
+
+    for _ in range(3):
+        for t in hot:
+            use(t)
+    hits = 0
+    last: list[list[int]] = []
+    for r in range(rounds):
+        last = [toks(10 * (8 * r + i), 4) for i in range(8)]
+        for t in last:
+            assert not use(t)
+        hits += sum(use(t) for t in hot)
+    novel_held = sum(table.match(t) is not None for t in last)
+    evicted = table.evicted_nodes
+    assert_released(table, alloc)
+    return hits, evicted, novel_held
+
+
+def test_gdsf_keeps_hot_chunks_through_a_churn_of_novel_ones() -> None:
+    gdsf_hits, gdsf_evicted, gdsf_novel = churn("gdsf")
+    lru_hits, lru_evicted, _ = churn("lru")
+    assert lru_hits == 0 and gdsf_hits == 2 * 6
+    assert gdsf_novel == 4  # novel chunks still come in, into the room the hot ones leave
+    # LRU evicts the hot chunks too, and recomputes them every round.
+    assert lru_evicted == gdsf_evicted + 2 * 6
+
+
+def test_gdsf_evicts_leaves_only_and_ages_out_an_unused_chunk() -> None:
+    table, alloc = make_table(capacity=16, policy="gdsf")
+    x = toks(0, 8)  # two segments: the first is the second's parent
+    table.insert(x, None)
+    for _ in range(4):
+        table.match(x)
+    survived = 0
+    for i in range(40):
+        table.insert(toks(100 + 10 * i, 4), None)
+        if held(table, x) != [True, True]:
+            break
+        survived += 1
+    # The tail segment went first (leaves only), after several turnovers of the table.
+    assert held(table, x) == [True, False]
+    assert 4 <= survived < 40
+    assert_released(table, alloc)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_table(policy="mru")
 
 
 def test_eviction_never_drops_a_locked_node_or_its_predecessors() -> None:

@@ -1,0 +1,367 @@
+"""Four workloads against SGLang's own prefix caching (``bench/workload_streams.py``).
+
+``python bench/workloads.py`` runs, per workload, the same stream of sessions (``--requests``
+requests, ``--concurrency`` sessions at a time, each session's requests in order) against:
+
+- ``prefix_caching``: ``--pic-disable`` (plain SGLang, its radix prefix cache), the requests
+  without chunk marks;
+- ``sgl_pic``: chunk marks (/generate) or auto-chunking (chat), default policy; on
+  ``rag_churn`` also ``sgl_pic_lru`` (``--pic-eviction lru``), to show what the eviction
+  policy keeps.
+
+Both get the same bounded cache (``--server-args``, by default a quarter of SGLang's KV pool
+for chunk nodes and 256 MiB of host memory, no disk tier), so that the churn of novel
+chunks does evict.
+
+Per run: throughput (requests/s over the stream's wall time), TTFT p50/p99 (streamed,
+client side), the token hit rate (prompt tokens served from cache: SGLang's cached prefix,
+plus chunk-hit tokens for sgl-pic), the chunk hit rate over time (windows of
+``--window`` completions, from /metrics), the recomputed fraction, evictions per tier, and
+greedy agreement with exact prefill: a seeded sample of the stream's requests sent again
+with ``policy: full_recompute``, its answer compared with the one the stream got.
+
+``ideal_speedup``: the prefill work of prefix caching (prompt tokens it did not have cached)
+over sgl-pic's (prompt tokens past the device prefix, less the chunk tokens it reused): the
+throughput ratio if time were prefill tokens alone. ``fraction_of_ideal`` is the measured
+throughput ratio over it; decode, selection and every other overhead count against it.
+
+Results: ``bench/results/workloads.json`` (commit, dirty flag, per-request records) and
+``workloads.png`` (hit rate over time). Timings mean something only on a quiet machine;
+``--smoke`` shows the pipeline works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import shlex
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import ROOT, Client, delta, git_state, launch, metric  # noqa: E402
+from workload_streams import WORKLOADS, Request, Session, Streams  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
+SERVER_ARGS = (
+    "--pic-device-cache-fraction 0.25 --pic-host-cache-mb 256 --pic-disk-cache-dir '' "
+    "--enable-cache-report"
+)
+AUTO = "tool,document,user,assistant"
+
+
+def send(url: str, req: Request, form: str, extra_pic: dict[str, Any] | None = None) -> dict:
+    """One streamed request; TTFT, latency, prompt/cached/completion tokens and the text."""
+    body = dict(req.pic if form == "pic" else req.base)
+    if extra_pic:
+        body["pic"] = {**body.get("pic", {}), **extra_pic}
+    body["stream"] = True
+    if req.endpoint == "chat":
+        body["stream_options"] = {"include_usage": True}
+        path = "/v1/chat/completions"
+    else:
+        path = "/generate"
+    t0 = time.perf_counter()
+    ttft = None
+    text = ""
+    usage: dict[str, Any] = {}
+    with requests.post(url + path, json=body, stream=True, timeout=900) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            msg = json.loads(line[5:])
+            if req.endpoint == "chat":
+                for choice in msg.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text += piece
+                if msg.get("usage"):
+                    u = msg["usage"]
+                    usage = {
+                        "prompt": u.get("prompt_tokens", 0),
+                        "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                        "completion": u.get("completion_tokens", 0),
+                    }
+            else:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text = msg.get("text", text)
+                m = msg.get("meta_info", {})
+                usage = {
+                    "prompt": m.get("prompt_tokens", 0),
+                    "cached": m.get("cached_tokens", 0),
+                    "completion": m.get("completion_tokens", 0),
+                }
+    latency = time.perf_counter() - t0
+    return {"ttft": latency if ttft is None else ttft, "latency": latency, "text": text, **usage}
+
+
+def run_stream(
+    client: Client, sessions: list[Session], form: str, concurrency: int, window: int
+) -> dict[str, Any]:
+    """The sessions, ``concurrency`` at a time; /metrics scraped every ``window``
+    completions (the chunk hit rate over time)."""
+    todo: queue.Queue[tuple[int, Session]] = queue.Queue()
+    for i, s in enumerate(sessions):
+        todo.put((i, s))
+    done: queue.Queue[dict[str, Any]] = queue.Queue()
+    order = 0
+    order_lock = threading.Lock()
+
+    def worker() -> None:
+        nonlocal order
+        while True:
+            try:
+                i, session = todo.get_nowait()
+            except queue.Empty:
+                return
+            for t, req in enumerate(session):
+                rec = send(client.url, req, form)
+                with order_lock:
+                    rec.update(session=i, turn=t, completed=order)
+                    order += 1
+                done.put(rec)
+
+    total = sum(len(s) for s in sessions)
+    records: list[dict[str, Any]] = []
+    windows = []
+    last = client.metrics()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(worker) for _ in range(concurrency)]
+        while len(records) < total:
+            try:
+                records.append(done.get(timeout=1.0))
+            except queue.Empty:
+                for f in futures:
+                    if f.done():
+                        f.result()  # a worker's error ends the run
+                continue
+            if len(records) % window == 0 or len(records) == total:
+                now = client.metrics()
+                windows.append(_window(delta(last, now), records[-window:], len(records)))
+                last = now
+        for f in futures:
+            f.result()
+    wall = time.perf_counter() - t0
+    ttfts = sorted(r["ttft"] for r in records)
+    prompt = sum(r["prompt"] for r in records)
+    cached = sum(r["cached"] for r in records)
+    return {
+        "requests": len(records),
+        "wall_s": wall,
+        "requests_per_s": len(records) / wall,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "prompt_tokens": prompt,
+        "prefix_cached_tokens": cached,
+        "windows": windows,
+        "records": sorted(records, key=lambda r: (r["session"], r["turn"])),
+    }
+
+
+def _window(d: dict[str, float], recs: list[dict[str, Any]], upto: int) -> dict[str, Any]:
+    """One window of completions: the chunk hit rate (1 - misses / lookups, /metrics) and
+    the token reuse rate (prompt tokens not computed: SGLang's cached prefix, plus chunk
+    tokens reused without recomputation)."""
+    lookups = metric(d, "sgl_pic_chunk_lookups_total")
+    misses = metric(d, "sgl_pic_chunk_misses_total")
+    prompt = sum(r["prompt"] for r in recs)
+    not_computed = sum(r["cached"] for r in recs) + metric(d, "sgl_pic_reused_tokens_total")
+    return {
+        "completed": upto,
+        "chunk_hit_rate": None if not lookups else 1.0 - misses / lookups,
+        "token_reuse_rate": not_computed / max(prompt, 1),
+    }
+
+
+def agreement(
+    client: Client, sessions: list[Session], stream: dict[str, Any], n: int, seed: int
+) -> dict[str, Any]:
+    """A seeded sample of the stream's requests sent again as exact prefill
+    (``policy: full_recompute``): how many answers equal the stream's (greedy)."""
+    flat = [(i, t, req) for i, s in enumerate(sessions) for t, req in enumerate(s)]
+    by_key = {(r["session"], r["turn"]): r for r in stream["records"]}
+    sample = random.Random(seed).sample(flat, min(n, len(flat)))
+    rows = []
+    for i, t, req in sample:
+        exact = send(client.url, req, "pic", {"config": {"policy": "full_recompute"}})
+        got = by_key[(i, t)]["text"]
+        rows.append(
+            {
+                "session": i,
+                "turn": t,
+                "equal": exact["text"] == got,
+                "reuse": got,
+                "exact": exact["text"],
+            }
+        )
+    return {
+        "sampled": len(rows),
+        "greedy_agreement": sum(r["equal"] for r in rows) / len(rows),
+        "rows": rows,
+    }
+
+
+def pic_figures(d: dict[str, float]) -> dict[str, Any]:
+    lookups = metric(d, "sgl_pic_chunk_lookups_total")
+    new = metric(d, "sgl_pic_new_tokens_total")
+    return {
+        "chunk_lookups": lookups,
+        "chunk_hit_rate": None
+        if not lookups
+        else 1 - metric(d, "sgl_pic_chunk_misses_total") / lookups,
+        "device_prefix_chunks": metric(d, "sgl_pic_chunk_device_prefix_total"),
+        "reused_tokens": metric(d, "sgl_pic_reused_tokens_total"),
+        "recomputed_fraction": None
+        if not new
+        else metric(d, "sgl_pic_recomputed_tokens_total") / new,
+        "tier_hits": {
+            t: metric(d, "sgl_pic_tier_hits_total", tier=t) for t in ("device", "host", "disk")
+        },
+        "evictions": {
+            t: metric(d, "sgl_pic_evictions_total", tier=t) for t in ("device", "host", "disk")
+        },
+        "failures": metric(d, "sgl_pic_failures_total") + metric(d, "sgl_pic_fallbacks_total"),
+    }
+
+
+def run_one(args: argparse.Namespace, name: str, sessions: list[Session], config: str) -> dict:
+    flags = shlex.split(args.server_args)
+    if config == "prefix_caching":
+        flags.append("--pic-disable")
+    else:
+        flags += ["--pic-auto-chunk", AUTO]
+        if config == "sgl_pic_lru":
+            flags += ["--pic-eviction", "lru"]
+    print(f"== {name} / {config}", flush=True)
+    form = "base" if config == "prefix_caching" else "pic"
+    with launch(flags) as client:
+        before = client.metrics()
+        res = run_stream(client, sessions, form, args.concurrency, args.window)
+        res["pic"] = pic_figures(delta(before, client.metrics())) if form == "pic" else None
+        if form == "pic" and args.agreement:
+            res["agreement"] = agreement(client, sessions, res, args.agreement, args.seed)
+    reused = res["pic"]["reused_tokens"] if res["pic"] else 0.0
+    res["prefill_work_tokens"] = res["prompt_tokens"] - res["prefix_cached_tokens"] - reused
+    res["token_reuse_rate"] = 1 - res["prefill_work_tokens"] / max(res["prompt_tokens"], 1)
+    res["config"] = config
+    shown = {k: v for k, v in res.items() if k not in ("records", "windows", "agreement")}
+    print(json.dumps(shown, indent=1), flush=True)
+    return res
+
+
+def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """The paired figures of one workload: throughput and TTFT ratios, the ideal speedup
+    and the fraction of it reached; for the churn check, the chunk hit rate of the first
+    and last quarter of the windows after ``warmup`` completions."""
+    base, pic = runs["prefix_caching"], runs["sgl_pic"]
+    ideal = base["prefill_work_tokens"] / max(pic["prefill_work_tokens"], 1)
+    speedup = pic["requests_per_s"] / base["requests_per_s"]
+    out: dict[str, Any] = {
+        "throughput_ratio": speedup,
+        "ttft_p50_ratio": base["ttft_p50_s"] / pic["ttft_p50_s"],
+        "ideal_speedup": ideal,
+        "fraction_of_ideal": speedup / ideal,
+        "token_reuse_rate": {c: r["token_reuse_rate"] for c, r in runs.items()},
+        "greedy_agreement": pic.get("agreement", {}).get("greedy_agreement"),
+    }
+    for c, r in runs.items():
+        if r["pic"] is None:
+            continue
+        w = [x for x in r["windows"] if x["completed"] > warmup and x["chunk_hit_rate"] is not None]
+        q = max(len(w) // 4, 1)
+        first = statistics.mean(x["chunk_hit_rate"] for x in w[:q]) if w else None
+        last = statistics.mean(x["chunk_hit_rate"] for x in w[-q:]) if w else None
+        out[f"{c}_hit_rate_quarters"] = {
+            "first": first,
+            "last": last,
+            "last_over_first": None if not first else last / first,  # type: ignore[operator]
+        }
+    return out
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        runs = report["workloads"][name]["runs"]
+        for c, r in runs.items():
+            xs = [w["completed"] for w in r["windows"]]
+            ax.plot(xs, [w["token_reuse_rate"] for w in r["windows"]], label=f"{c}: tokens reused")
+            if r["pic"] is not None:
+                ys = [w["chunk_hit_rate"] for w in r["windows"]]
+                ax.plot(xs, ys, "--", label=f"{c}: chunk hit rate")
+        cmp_ = report["workloads"][name]["compare"]
+        ax.set_title(
+            f"{name}: {cmp_['throughput_ratio']:.2f}x, {cmp_['fraction_of_ideal']:.2f} of ideal",
+            fontsize=9,
+        )
+        ax.set_xlabel("requests completed")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("rate per window")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--passage-tokens", type=int, default=120)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--window", type=int, default=10, help="completions per hit-rate window")
+    ap.add_argument("--warmup", type=int, default=30, help="completions before the churn check")
+    ap.add_argument("--agreement", type=int, default=16, help="requests re-sent exactly")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--server-args", default=SERVER_ARGS, help="flags of every server")
+    ap.add_argument("--smoke", action="store_true", help="a tiny stream: the pipeline works")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "workloads.json"))
+    args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.window, args.warmup, args.agreement = 8, 2, 0, 2
+        args.passage_tokens, args.max_new_tokens = 48, 4
+    commit, dirty = git_state()
+    src = Streams(Path(args.data), args.passage_tokens, args.max_new_tokens)
+    report: dict[str, Any] = {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "args": vars(args),
+        "workloads": {},
+    }
+    for name in args.workloads.split(","):
+        sessions = WORKLOADS[name](src, args.requests, args.seed)
+        configs = ["prefix_caching", "sgl_pic"] + (["sgl_pic_lru"] if name == "rag_churn" else [])
+        runs = {c: run_one(args, name, sessions, c) for c in configs}
+        report["workloads"][name] = {"runs": runs, "compare": compare(runs, args.warmup)}
+        print(json.dumps({name: report["workloads"][name]["compare"]}, indent=1), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
