@@ -159,6 +159,13 @@ def router(workers: list[str], policy: str) -> Iterator[str]:
         policy,
         "--prometheus-port",  # its default (29000) may be taken by another router
         str(free_port()),
+        # SGLang's /health runs a generation, queued behind the stream's prefills: on a
+        # busy CPU it takes tens of seconds, and the router's default (5 s, 3 failures)
+        # marks every worker unhealthy mid-run.
+        "--health-check-timeout-secs",
+        "120",
+        "--health-failure-threshold",
+        "5",
         "--worker-urls",
         *workers,
     ]
