@@ -12,7 +12,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -119,12 +119,17 @@ def shifted(spans: Sequence[Sequence[int]], offset: int) -> list[list[int]]:
 
 
 @contextmanager
-def launch(args: Sequence[str], startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[Client]:
+def launch(
+    args: Sequence[str],
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    env_extra: Mapping[str, str] | None = None,
+) -> Iterator[Client]:
     """A healthy server with ``args`` (sgl_pic and SGLang flags), killed on exit with its
-    whole process group. Its log is a temporary file, kept (its path is printed)."""
+    whole process group. Its log is a temporary file, kept (its path is printed).
+    ``env_extra``: variables added to its environment (e.g. OMP_NUM_THREADS)."""
     from sgl_pic.server_process import server_process
 
-    env = dict(os.environ)
+    env = {**os.environ, **(env_extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     t0 = time.monotonic()
     print(f"launching: sgl_pic.launch_server {' '.join(args)}", flush=True)
