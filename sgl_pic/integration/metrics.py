@@ -195,16 +195,20 @@ class PicMetrics:
 
     def record_store_errors(self, errors: Mapping[str, int]) -> None:
         """Adds what the tiers' cumulative error counts gained since the last call."""
-        for kind, total in errors.items():
-            gained = total - self._errors_seen.get(kind, 0)
-            if gained > 0:
-                self.store_errors.labels(kind=kind).inc(gained)
-            self._errors_seen[kind] = total
+        _add_gains(self.store_errors, "kind", self._errors_seen, errors)
 
     def record_evictions(self, totals: Mapping[str, int]) -> None:
         """Adds what each tier's cumulative eviction count gained since the last call."""
-        for tier, total in totals.items():
-            gained = total - self._evictions_seen.get(tier, 0)
-            if gained > 0:
-                self.evictions.labels(tier=tier).inc(gained)
-            self._evictions_seen[tier] = total
+        _add_gains(self.evictions, "tier", self._evictions_seen, totals)
+
+
+def _add_gains(
+    counter: Counter, label: str, seen: dict[str, int], totals: Mapping[str, int]
+) -> None:
+    """Adds to ``counter{label=key}`` what each cumulative total gained since ``seen``
+    (updated): the stores count from their start, Prometheus counters only go up."""
+    for key, total in totals.items():
+        gained = total - seen.get(key, 0)
+        if gained > 0:
+            counter.labels(**{label: key}).inc(gained)
+        seen[key] = total
