@@ -20,10 +20,11 @@ With auto-chunking on, every message text is tokenized on its own whether it bec
 or not, so a turn's tokens stay a prefix of the next turn's (where the question has become
 an earlier turn) and SGLang's prefix cache serves them as device prefix. A text shorter than
 ``min_chunk_tokens`` stays fresh; past ``max_chunks``, the earliest chunks made here stay
-fresh. A chunk made here that is longer than ``segment_tokens`` is split into windows of
-that many tokens of its own tokenization, a tail shorter than ``min_chunk_tokens`` joining
-the window before it. Its text is tokenized on its own, so its windows, and their cache
-keys, are the same wherever it appears, whatever precedes it.
+fresh. A chunk made here that is longer than ``segment_tokens`` is split into windows of at
+most that many tokens of its own tokenization at content-defined cut points
+(``sgl_pic.cut_points``): its text is tokenized on its own, so its windows, and their cache
+keys, are the same wherever it appears, whatever precedes it, and an edit inside it changes
+only the windows around the edit.
 
 Tool schemas: when chunks apply (a mark, or auto-chunking on) and the request carries
 ``tools``, each tool the template would show (all, none for ``tool_choice: "none"``, the
@@ -51,6 +52,7 @@ from itertools import pairwise
 from typing import Any, NamedTuple
 
 from sgl_pic.config import PicConfig
+from sgl_pic.cut_points import cut_points
 from sgl_pic.integration.spans import split_on_delimiter
 from sgl_pic.layout import LayoutError, PromptLayout, Span
 
@@ -195,7 +197,7 @@ def chat_prompt(
         return None
     # The template already holds its special tokens as text.
     ids, layout = split_on_delimiter(prompt, d, tokenize)
-    spans = _chunk_spans(layout.chunks, chat.pieces, config)
+    spans = _chunk_spans(ids, layout.chunks, chat.pieces, config)
     if not spans:
         return None
     return ChatPrompt(ids, PromptLayout(len(ids), tuple(spans)))
@@ -418,16 +420,20 @@ def _shown_tool(tool_choice: Any) -> str | None:
     return name
 
 
-def _chunk_spans(spans: Sequence[Span], pieces: Sequence[Piece], config: PicConfig) -> list[Span]:
-    """The chunks among the delimited pieces' spans: marked ones as they are, those made
-    here windowed, or left fresh when too short or past ``max_chunks`` (the earliest)."""
+def _chunk_spans(
+    ids: Sequence[int], spans: Sequence[Span], pieces: Sequence[Piece], config: PicConfig
+) -> list[Span]:
+    """The chunks among the delimited pieces' spans (of the prompt ``ids``): marked ones as
+    they are, those made here windowed, or left fresh when too short or past
+    ``max_chunks`` (the earliest)."""
     size = max(config.segment_tokens, config.min_chunk_tokens)
     chunks: list[tuple[Span, bool]] = []  # (span, made here)
     for span, piece in zip(spans, pieces, strict=True):
         if piece.kind is PieceKind.MARKED:
             chunks.append((span, False))
         elif piece.kind is PieceKind.AUTO and span.length >= config.min_chunk_tokens:
-            chunks += [(w, True) for w in windows(span, size, config.min_chunk_tokens)]
+            own = ids[span.start : span.end]
+            chunks += [(w, True) for w in windows(span, own, size, config.min_chunk_tokens)]
     excess = len(chunks) - config.max_chunks
     kept = []
     for span, made_here in chunks:
@@ -438,10 +444,8 @@ def _chunk_spans(spans: Sequence[Span], pieces: Sequence[Piece], config: PicConf
     return kept
 
 
-def windows(span: Span, size: int, min_tokens: int) -> list[Span]:
-    """``span`` cut into windows of ``size`` tokens from its start; a tail shorter than
-    ``min_tokens`` joins the window before it."""
-    bounds = [*range(span.start, span.end, size), span.end]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] < min_tokens:
-        del bounds[-2]
+def windows(span: Span, token_ids: Sequence[int], size: int, min_tokens: int) -> list[Span]:
+    """``span`` (holding ``token_ids``) cut into windows of at most ``size`` tokens at
+    content-defined cut points (``cut_points``)."""
+    bounds = [span.start] + [span.start + c for c in cut_points(token_ids, size, min_tokens)]
     return [Span(s, e) for s, e in pairwise(bounds)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import requests
 
 from sgl_pic.config import PicConfig
+from sgl_pic.cut_points import cut_points
 from sgl_pic.integration.chat_chunks import (
     TOOLS_HEADER,
     chat_prompt,
@@ -357,10 +359,12 @@ def test_tools_follow_tool_choice_and_any_chunk_mark() -> None:
 LONG = " ".join(DOCS[k] for k in "ABCDE" * 3)
 
 
-def test_windows_are_fixed_token_counts_with_the_tail_joined() -> None:
-    assert windows(Span(10, 74), 64, 4) == [Span(10, 74)]
-    assert windows(Span(0, 130), 64, 4) == [Span(0, 64), Span(64, 130)]
-    assert windows(Span(0, 133), 64, 4) == [Span(0, 64), Span(64, 128), Span(128, 133)]
+def test_windows_are_the_cut_points_of_the_span_tokens() -> None:
+    toks = ids(LONG)
+    assert windows(Span(10, 74), toks[:64], 64, 4) == [Span(10, 74)]
+    got = windows(Span(100, 100 + len(toks)), toks, 64, 4)
+    assert [w.end - 100 for w in got] == cut_points(toks, 64, 4)
+    assert got[0].start == 100 and len(got) > 2
 
 
 def test_a_long_message_gives_the_same_window_chunks_wherever_it_appears() -> None:
@@ -381,7 +385,7 @@ def test_a_long_message_gives_the_same_window_chunks_wherever_it_appears() -> No
     assert a is not None and b is not None
     wa, wb = chunk_ids(a, config), chunk_ids(b, config)[1:]
     assert wa == wb
-    assert [len(w) for w in wa[:-1]] == [64] * (len(wa) - 1) and 4 <= len(wa[-1]) < 64 + 4
+    assert all(16 <= len(w) <= 64 for w in wa[:-1]) and 4 <= len(wa[-1]) < 64 + 4
     assert sum(wa, []) == ids(LONG)  # the message's own tokenization, cut in windows
     layout = decode(b["custom_params"], config).layout
     assert layout.chunks[1].start != decode(a["custom_params"], config).layout.chunks[0].start
@@ -389,6 +393,27 @@ def test_a_long_message_gives_the_same_window_chunks_wherever_it_appears() -> No
     marked = [{"role": "user", "content": LONG, "pic_chunk": True}, first[1]]
     out = chat(translator(frozenset(), config), {"messages": marked})
     assert out is not None and chunk_ids(out, config) == [ids(LONG)]
+
+
+def test_an_edited_long_message_keeps_its_windows_away_from_the_edit() -> None:
+    config = PicConfig(segment_tokens=64)
+    words = sorted(set(" ".join(DOCS.values()).split()))
+    rng = random.Random(0)
+    text = [rng.choice(words) for _ in range(700)]
+    long_text = " ".join(text)
+    edited = " ".join(text[:300] + ["One", "more", "sentence", "was", "added."] + text[300:])
+    runs = []
+    for body in (long_text, edited):
+        msgs = [{"role": "tool", "content": body}, {"role": "user", "content": U1}]
+        out = chat(translator(frozenset({"tool"}), config), {"messages": msgs})
+        assert out is not None
+        runs.append([tuple(w) for w in chunk_ids(out, config)])
+    old, new = runs
+    shared = set(old) & set(new)
+    # Cut where the tokens say, the windows before the edit and all but a few after it
+    # keep their cache keys; windows counted from the start would all shift past it.
+    assert len(old) > 8 and len(shared) >= len(old) - 3
+    assert old[-1] == new[-1]
 
 
 def test_auto_chunks_start_on_pages() -> None:
