@@ -274,7 +274,10 @@ class ChunkExecutor:
             i = next(j for j, s in enumerate(plan.layout.chunks) if s.start == start)
             plan.rankings[i] = ranking.cpu()
             assert plan.stats is not None
-            plan.stats = plan.stats._replace(misses=plan.stats.misses + 1)
+            plan.stats = plan.stats._replace(
+                misses=plan.stats.misses + 1,
+                encoded_tokens=plan.stats.encoded_tokens + end - start,
+            )
 
     def _store(
         self,

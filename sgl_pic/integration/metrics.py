@@ -32,6 +32,7 @@ class RequestStats(NamedTuple):
     disk_hits: int = 0  # ... on disk
     shared_hits: int = 0  # ... in the shared tier (--pic-shared-store)
     prefix_hit_tokens: int = 0  # DARIC's L_hit = max(L_gpu, L_cont)
+    encoded_tokens: int = 0  # tokens of the missed chunks, computed on their own in phase 1
 
 
 class PicMetrics:
@@ -55,6 +56,11 @@ class PicMetrics:
             "sgl_pic_chunk_device_prefix", "Chunks inside the device prefix (never recomputed)"
         )
         self.misses = Counter("sgl_pic_chunk_misses", "Chunks computed independently")
+        self.encoded = Counter(
+            "sgl_pic_encoded_tokens",
+            "Tokens of missed chunks computed on their own (phase 1); phase 2 may recompute "
+            "some of them again, in context",
+        )
         self.reused = Counter("sgl_pic_reused_tokens", "Tokens whose cached KV was reused")
         self.recomputed = Counter("sgl_pic_recomputed_tokens", "Tokens recomputed in phase 2")
         self.new_tokens = Counter("sgl_pic_new_tokens", "Tokens past the device prefix")
@@ -178,6 +184,7 @@ class PicMetrics:
         self.hits.labels(kind="disjoint").inc(s.disjoint_hits)
         self.device_prefix.inc(s.device_prefix_chunks)
         self.misses.inc(s.misses)
+        self.encoded.inc(s.encoded_tokens)
         self.reused.inc(s.reused_tokens)
         self.recomputed.inc(s.recomputed_tokens)
         self.new_tokens.inc(s.new_tokens)

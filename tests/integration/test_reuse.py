@@ -18,6 +18,7 @@ pytestmark = pytest.mark.sglang
 CONTIG = 'sgl_pic_chunk_hits_total{kind="contiguous"}'
 DISJOINT = 'sgl_pic_chunk_hits_total{kind="disjoint"}'
 MISSES = "sgl_pic_chunk_misses_total"
+ENCODED = "sgl_pic_encoded_tokens_total"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def _delta(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
         CONTIG,
         DISJOINT,
         MISSES,
+        ENCODED,
         "sgl_pic_reused_tokens_total",
         "sgl_pic_recomputed_tokens_total",
         "sgl_pic_failures_total",
@@ -43,12 +45,14 @@ def _delta(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
 
 
 def test_chunks_cached_in_another_order_all_hit(server: Server) -> None:
-    _, d = _delta(server, body(*chunked(["A", "B", "C"], "Which city is on the equator?")))
+    toks, spans = chunked(["A", "B", "C"], "Which city is on the equator?")
+    _, d = _delta(server, body(toks, spans))
     assert d[MISSES] == 3
+    assert d[ENCODED] == sum(e - s for s, e in spans)  # phase 1 ran every chunk token
     out, d = _delta(server, body(*chunked(["C", "B", "A"], "Which city had temples?")))
     assert out["meta_info"]["cached_tokens"] == 0  # no device prefix: hits are the store's
     assert d[CONTIG] + d[DISJOINT] == 3
-    assert d[MISSES] == 0
+    assert d[MISSES] == 0 and d[ENCODED] == 0
     assert d["sgl_pic_reused_tokens_total"] > 0
     assert d["sgl_pic_failures_total"] == 0
 

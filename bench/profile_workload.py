@@ -1,0 +1,143 @@
+"""Where a workload's time goes: py-spy samples of the scheduler process, prefix caching
+against sgl-pic, on the first ``--requests`` requests of one ``bench/workloads.py`` stream.
+
+Each stack sample is put in one bucket: decode, or an extend forward by who ran it
+(SGLang's own extend, or sgl-pic's assembly, phase 1, query probe, phase 2) and by what it
+was doing (MLP, QKV projection and RoPE, the attention kernel, the output projection,
+chunk storage and KV copies, the rest of the layer). Seconds are samples over the rate.
+With the tokens each side computed (prefix caching: prompt less cached; sgl-pic: phase 1
+and phase 2 tokens, ``sgl_pic_encoded_tokens_total`` and ``..._recomputed_tokens_total``),
+the buckets give a cost per computed
+token, which says which part of the forward sgl-pic pays more for than SGLang does.
+
+Needs ``py-spy`` (``pip install py-spy``; not a project dependency). Results:
+``bench/results/profile_<workload>.json`` with the commit and dirty flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import ROOT, delta, git_state, launch, metric  # noqa: E402
+from workload_streams import WORKLOADS, Streams  # noqa: E402
+from workloads import AUTO, DATA, SERVER_ARGS, run_stream  # noqa: E402
+
+RATE = 50  # samples per second
+
+# (bucket, frame names any of which marks it), first match wins, within an extend forward.
+PARTS = [
+    ("mlp", ("LlamaMLP.forward",)),
+    ("attn_kernel", ("grouped_forward_extend", "_run_sdpa_forward_extend")),
+    ("qkv_rope", ("forward_prepare_native",)),
+    ("o_proj", ("RowParallelLinear",)),
+    ("store_kv", ("cachetune_ranking", "put_chunk", "ChunkExecutor._store", "KVAccess")),
+    ("layer_other", ("LlamaDecoderLayer",)),
+]
+STAGES = [
+    ("probe", "ChunkExecutor._query_attention"),
+    ("phase1", "ChunkExecutor._phase1"),
+    ("phase2", "ChunkExecutor._phase2"),
+    ("assemble", "ChunkExecutor._assemble"),
+]
+
+
+def bucket(stack: str) -> str:
+    if "_execute_decode" in stack:
+        return "decode"
+    if "ModelRunner.forward" not in stack:
+        return "outside_forward"
+    stage = next((name for name, frame in STAGES if frame in stack), "sglang_extend")
+    if stage == "assemble":
+        return stage
+    part = next((p for p, frames in PARTS if any(f in stack for f in frames)), "other")
+    return f"{stage}.{part}"
+
+
+def seconds_by_bucket(raw: Path) -> dict[str, float]:
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, n = line.rsplit(" ", 1)
+        counts[bucket(stack)] += int(n)
+    return {k: v / RATE for k, v in sorted(counts.items())}
+
+
+def profile(args: argparse.Namespace, sessions: list, config: str, raw: Path) -> dict[str, Any]:
+    flags = shlex.split(SERVER_ARGS)
+    flags += ["--pic-disable"] if config == "prefix_caching" else ["--pic-auto-chunk", AUTO]
+    form = "base" if config == "prefix_caching" else "pic"
+    with launch(flags) as client:
+        found = subprocess.run(
+            ["pgrep", "-f", "sglang::scheduler"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        if len(found) != 1:
+            raise RuntimeError(f"expected one scheduler process, found {found}")
+        spy = subprocess.Popen(
+            ["py-spy", "record", "--pid", found[0], "--format", "raw", "-o", str(raw)]
+            + ["--rate", str(RATE), "--nonblocking"]
+        )
+        time.sleep(2)
+        before = client.metrics()
+        res = run_stream(client, sessions, form, args.concurrency, args.window)
+        d = delta(before, client.metrics())
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=300)
+    computed = res["prompt_tokens"] - res["prefix_cached_tokens"]
+    if form == "pic":
+        # Phase 1 runs the missed chunks' tokens, phase 2 the recomputed ones (some of the
+        # former again); requests that ran without reuse count as SGLang's extend does.
+        computed = int(
+            metric(d, "sgl_pic_encoded_tokens_total")
+            + metric(d, "sgl_pic_recomputed_tokens_total")
+            + computed
+            - metric(d, "sgl_pic_new_tokens_total")
+        )
+    return {
+        "wall_s": res["wall_s"],
+        "prompt_tokens": res["prompt_tokens"],
+        "prefix_cached_tokens": res["prefix_cached_tokens"],
+        "computed_tokens": computed,
+        "seconds": seconds_by_bucket(raw),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="agent", choices=sorted(WORKLOADS))
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    commit, dirty = git_state()
+    src = Streams(DATA, 120, 8)
+    sessions = WORKLOADS[args.workload](src, args.requests, args.seed)
+    report: dict[str, Any] = {"git_commit": commit, "git_dirty": dirty, "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in ("prefix_caching", "sgl_pic"):
+            print(f"== {args.workload} / {config}", flush=True)
+            report[config] = profile(args, sessions, config, Path(tmp) / f"{config}.txt")
+    for config in ("prefix_caching", "sgl_pic"):
+        r = report[config]
+        ms = {k: 1000 * v / max(r["computed_tokens"], 1) for k, v in r["seconds"].items()}
+        r["ms_per_computed_token"] = ms
+        print(config, json.dumps({k: round(v, 3) for k, v in ms.items()}), flush=True)
+    out = Path(args.out or ROOT / "bench" / "results" / f"profile_{args.workload}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
