@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import shlex
 import signal
 import subprocess
 import sys
@@ -31,7 +30,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import ROOT, delta, git_state, launch, metric  # noqa: E402
 from workload_streams import WORKLOADS, Streams  # noqa: E402
-from workloads import AUTO, DATA, SERVER_ARGS, run_stream  # noqa: E402
+from workloads import (  # noqa: E402
+    DATA,
+    MAX_NEW_TOKENS,
+    PASSAGE_TOKENS,
+    SERVER_ARGS,
+    config_flags,
+    config_form,
+    run_stream,
+)
 
 RATE = 50  # samples per second
 
@@ -73,10 +80,8 @@ def seconds_by_bucket(raw: Path) -> dict[str, float]:
 
 
 def profile(args: argparse.Namespace, sessions: list, config: str, raw: Path) -> dict[str, Any]:
-    flags = shlex.split(SERVER_ARGS)
-    flags += ["--pic-disable"] if config == "prefix_caching" else ["--pic-auto-chunk", AUTO]
-    form = "base" if config == "prefix_caching" else "pic"
-    with launch(flags) as client:
+    form = config_form(config)
+    with launch(config_flags(SERVER_ARGS, config)) as client:
         found = subprocess.run(
             ["pgrep", "-f", "sglang::scheduler"], capture_output=True, text=True, check=True
         ).stdout.split()
@@ -121,7 +126,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     commit, dirty = git_state()
-    src = Streams(DATA, 120, 8)
+    src = Streams(DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
     sessions = WORKLOADS[args.workload](src, args.requests, args.seed)
     report: dict[str, Any] = {"git_commit": commit, "git_dirty": dirty, "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:

@@ -68,6 +68,8 @@ SERVER_ARGS = (
     "--enable-cache-report"
 )
 AUTO = "tool,document,user,assistant"
+PASSAGE_TOKENS = 120  # passages are cut to this many tokens
+MAX_NEW_TOKENS = 8
 
 
 def send(url: str, req: Request, form: str, extra_pic: dict[str, Any] | None = None) -> dict:
@@ -263,16 +265,24 @@ def first_token_only(sessions: list[Session]) -> list[Session]:
     return [[r._replace(pic=one(r.pic), base=one(r.base)) for r in s] for s in sessions]
 
 
-def run_one(args: argparse.Namespace, name: str, sessions: list[Session], config: str) -> dict:
-    flags = shlex.split(args.server_args)
+def config_flags(server_args: str, config: str) -> list[str]:
+    """The server flags of one configuration, on top of ``server_args``."""
+    flags = shlex.split(server_args)
     if config.startswith("prefix_caching"):
-        flags.append("--pic-disable")
-    else:
-        flags += ["--pic-auto-chunk", AUTO]
-        if config == "sgl_pic_lru":
-            flags += ["--pic-eviction", "lru"]
+        return [*flags, "--pic-disable"]
+    flags += ["--pic-auto-chunk", AUTO]
+    return flags + (["--pic-eviction", "lru"] if config == "sgl_pic_lru" else [])
+
+
+def config_form(config: str) -> str:
+    """Which body of each request a configuration sends: "base" (unmarked) or "pic"."""
+    return "base" if config.startswith("prefix_caching") else "pic"
+
+
+def run_one(args: argparse.Namespace, name: str, sessions: list[Session], config: str) -> dict:
+    flags = config_flags(args.server_args, config)
     print(f"== {name} / {config}", flush=True)
-    form = "base" if config.startswith("prefix_caching") else "pic"
+    form = config_form(config)
     if config == "prefix_caching_first_token":
         sessions = first_token_only(sessions)
     with launch(flags) as client:
@@ -370,8 +380,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--passage-tokens", type=int, default=120)
-    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--passage-tokens", type=int, default=PASSAGE_TOKENS)
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--window", type=int, default=10, help="completions per hit-rate window")
     ap.add_argument("--warmup", type=int, default=30, help="completions before the churn check")
     ap.add_argument("--agreement", type=int, default=16, help="requests re-sent exactly")
