@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-WINDOW = 16  # tokens the cut decision hashes (100k tokens take about 0.1 s to cut here)
+WINDOW = 16  # tokens the cut decision hashes
 _PRIME = (1 << 61) - 1
 _BASE = 1_000_003
 _MASK64 = (1 << 64) - 1
