@@ -44,8 +44,8 @@ from sgl_pic.integration.metrics import PicMetrics
 from sgl_pic.integration.phases import PhaseRunner, Run, SubRequest, runs_of
 from sgl_pic.integration.planner import ChunkLookup, RequestPlan
 from sgl_pic.integration.promoter import Promoter
-from sgl_pic.integration.query_probe import QueryProbe
-from sgl_pic.selection import cachetune_ranking
+from sgl_pic.integration.query_probe import ProbeCut, QueryProbe
+from sgl_pic.selection import cachetune_ranking, make_policy
 from sgl_pic.selection.query_aware import query_positions
 
 logger = logging.getLogger(__name__)
@@ -312,13 +312,24 @@ class ChunkExecutor:
         ext_lens = list(live.extend_seq_lens_cpu)
         pool_idx = live.req_pool_indices.tolist()
         runs: dict[int, list[Run]] = {}
+        t0 = time.perf_counter()
+        scores = self._query_attention(stack, live, plans)
+        probe_s = time.perf_counter() - t0
         for b, plan in plans.items():
             sel = planner.select(
                 plan,
                 lambda plan=plan: self._deviation(stack, live, plan),
                 self.ratios,
-                lambda plan=plan: self._query_attention(stack, live, plan),
+                lambda b=b, plan=plan: (
+                    scores[b] if b in scores else self._probe_one(stack, live, b, plan)
+                ),
             )
+            if b in scores:
+                # The shared probe pass ran before selection; each request waited for it.
+                assert plan.stats is not None
+                plan.stats = plan.stats._replace(
+                    selection_seconds=plan.stats.selection_seconds + probe_s
+                )
             runs[b] = runs_of(sel, self.merge_gap)
         self._fit(runs, plans, len(pool_idx) - len(plans))
         device = input_ids.device
@@ -428,52 +439,87 @@ class ChunkExecutor:
         dev[torch.tensor(fresh, dtype=torch.int64)] = 0.0  # host: planning
         return dev
 
-    def _query_attention(self, stack: Stack, live: Any, plan: RequestPlan) -> torch.Tensor:
-        """The query-aware signal # [prompt_len] (``QueryProbe``): the tokens phase 2
+    def _query_attention(
+        self, stack: Stack, live: Any, plans: dict[int, RequestPlan]
+    ) -> dict[int, torch.Tensor]:
+        """The query-aware signal # [prompt_len] of each plan whose policy reads it and
+        that has chunks past its device prefix (``QueryProbe``): the tokens phase 2
         computes whatever the policy says (fresh, forced, the last) run the first
-        ``qa_layers`` layers over the assembled KV. Lower-tier chunks get those layers
-        loaded whole first (in order, on this thread); phase 2 loads the rest sparsely."""
+        ``qa_layers`` layers over the assembled KV, every such plan of the batch in one
+        pass per ``qa_layers`` value. Lower-tier chunks get those layers loaded whole first
+        (in order, on this thread); phase 2 loads the rest sparsely."""
+        wanted: dict[int, list[int]] = {}
+        for b, plan in plans.items():
+            if make_policy(plan.config).needs_query_attention and (plan.hit_spans or plan.misses):
+                layers = min(plan.config.qa_layers, self.kv.num_layers)
+                wanted.setdefault(layers, []).append(b)
+        scores: dict[int, torch.Tensor] = {}
+        for layers, group in wanted.items():
+            scores.update(self._probe_pass(stack, live, {b: plans[b] for b in group}, layers))
+        return scores
+
+    def _probe_one(self, stack: Stack, live: Any, b: int, plan: RequestPlan) -> torch.Tensor:
+        """The signal of a plan the batch's pass left out (a policy that reads it without
+        declaring ``needs_query_attention``), from a pass of its own."""
         layers = min(plan.config.qa_layers, self.kv.num_layers)
-        if plan.lower:
-            none = torch.empty(0, dtype=torch.int64)  # host: planning, nothing recomputed
-            feed = self._feed(plan, none, mode="inorder")
-            try:
-                for layer in range(layers):
-                    feed.before_layer(layer)
-            finally:
-                feed.close()
-            self._count_loaded(feed)
-        n, p = plan.num_tokens, plan.prefix
-        assert plan.forced is not None
-        fresh = torch.tensor(plan.layout.fresh_indices() + [n - 1])  # host: planning
-        must = [plan.forced, fresh]
-        idx = torch.unique(torch.cat(must).to(torch.int64))
-        idx = idx[idx >= p]
-        queries = query_positions(plan.layout, p)
-        rows = torch.searchsorted(idx, queries)
-        runs = runs_of(idx)
+        return self._probe_pass(stack, live, {b: plan}, layers)[b]
+
+    def _probe_pass(
+        self, stack: Stack, live: Any, plans: dict[int, RequestPlan], layers: int
+    ) -> dict[int, torch.Tensor]:
+        """One probe pass over ``layers`` layers for ``plans`` (``_query_attention``)."""
+        for plan in plans.values():
+            if plan.lower:
+                none = torch.empty(0, dtype=torch.int64)  # host: planning, none recomputed
+                feed = self._feed(plan, none, mode="inorder")
+                try:
+                    for layer in range(layers):
+                        feed.before_layer(layer)
+                finally:
+                    feed.close()
+                self._count_loaded(feed)
+        must: dict[int, torch.Tensor] = {}
+        for b, plan in plans.items():
+            n, p = plan.num_tokens, plan.prefix
+            assert plan.forced is not None
+            fresh = torch.tensor(plan.layout.fresh_indices() + [n - 1])  # host: planning
+            idx = torch.unique(torch.cat([plan.forced, fresh]).to(torch.int64))
+            must[b] = idx[idx >= p]
+        runs = {b: runs_of(idx) for b, idx in must.items()}
         cap = self.phases.max_subrequests
         gap = 1
-        while cap is not None and len(runs) > cap:
+        # A live batch never holds more requests than the request table has rows, so one
+        # run per request always fits.
+        while cap is not None and sum(len(r) for r in runs.values()) > max(cap, len(runs)):
             # Merged gaps run these layers too: their K/V there become recomputed ones.
-            runs = runs_of(idx, gap)
+            runs = {b: runs_of(idx, gap) for b, idx in must.items()}
             gap *= 2
-        if gap > 1:
-            idx = torch.cat([torch.arange(a, z) for a, z in runs])  # host: planning
-            rows = torch.searchsorted(idx, queries)
-        probe = QueryProbe(self.kv.pool, self._slots(plan), rows, queries, layers, self.reduce)
-        toks = torch.tensor(plan.pending.token_ids, dtype=torch.int64)  # host: planning
-        ids = toks[idx].to(self.kv.device)
-        subs = [SubRequest(plan.pool_idx, a, z - a) for a, z in runs]
-        phase = self.phases.prepare(live, subs, ids)
-        self.phases.after_attention = [probe.after_attention]
+        probes: dict[int, QueryProbe] = {}
+        subs: list[SubRequest] = []
+        ids: list[torch.Tensor] = []
+        row = 0
+        for b, plan in plans.items():
+            idx = torch.cat([torch.arange(a, z) for a, z in runs[b]])  # host: planning
+            queries = query_positions(plan.layout, plan.prefix)
+            rows = row + torch.searchsorted(idx, queries)
+            probes[b] = QueryProbe(
+                self.kv.pool, self._slots(plan), rows, queries, layers, self.reduce
+            )
+            toks = torch.tensor(plan.pending.token_ids, dtype=torch.int64)  # host: planning
+            ids.append(toks[idx])
+            subs += [SubRequest(plan.pool_idx, a, z - a) for a, z in runs[b]]
+            row += idx.numel()
+        phase = self.phases.prepare(live, subs, torch.cat(ids).to(self.kv.device))
+        self.metrics.probe_passes.inc()
+        self.phases.after_attention = [p.after_attention for p in probes.values()]
+        self.phases.after_attention.append(ProbeCut(layers).after_attention)
         try:
             self.phases.run(stack, phase)
         except ProbeDone:
             pass
         finally:
             self.phases.after_attention = []
-        return probe.scores
+        return {b: probe.scores for b, probe in probes.items()}
 
     def _count_loaded(self, feed: LayerFeed) -> None:
         self.metrics.bytes_loaded.inc(feed.bytes_moved)

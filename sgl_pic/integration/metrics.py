@@ -132,6 +132,10 @@ class PicMetrics:
             "sgl_pic_phase2_runs",
             "Contiguous runs of recomputed tokens phase 2 ran as extend sub-requests",
         )
+        self.probe_passes = Counter(
+            "sgl_pic_probe_passes",
+            "Query-probe forwards (one per batch and qa_layers value, for all its requests)",
+        )
         self.run_merges = Counter(
             "sgl_pic_run_merges",
             "Times phase-2 runs were merged across a wider gap to fit the backend's batch",

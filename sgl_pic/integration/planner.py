@@ -132,7 +132,9 @@ def select(
     """Global positions phase 2 recomputes (# [k] int64, sorted, all >= prefix): the
     policy's choice, finalised (fresh tokens, the last token), plus the forced ones.
     ``deviation()`` is CacheBlend's online pass and ``query_attention()`` the query-aware
-    probe; only policies that need them call them (inside the timed selection)."""
+    probe; only policies that need them call them (inside the timed selection; the
+    executor runs the probe for all of a batch's requests at once beforehand, and adds that
+    pass's time to the selection's)."""
     t0 = time.perf_counter()
     plan.config = calibrated(plan, ratios)
     policy = make_policy(plan.config)

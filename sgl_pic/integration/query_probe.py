@@ -5,9 +5,13 @@ phase 2 must compute anyway) over its assembled KV. After each of the first ``la
 decoder layers' RadixAttention (by then the pass's own K/V of that layer are in the pool),
 the question's post-RoPE queries score the request's whole row of keys with
 ``question_attention``, the definition the oracle uses too; right after the last of those
-attentions the pass is cut (``ProbeDone``), so neither that layer's MLP nor the rest of the
-stack runs. The probe writes only the pass's own slots at those layers, which phase 2
-writes again.
+attentions the pass is cut (``ProbeCut`` raises ``ProbeDone``), so neither that layer's MLP
+nor the rest of the stack runs. The probe writes only the pass's own slots at those layers,
+which phase 2 writes again.
+
+Several requests' probes share one pass (one ``QueryProbe`` each, rows offset by where the
+request's tokens sit in the batch): on a CPU a forward of a few dozen tokens costs about as
+much as one of a few hundred, since every layer's weights are read either way.
 """
 
 from __future__ import annotations
@@ -63,8 +67,6 @@ class QueryProbe:
         keys = self.pool.get_key_buffer(module.layer_id)[self.key_slots]
         self._total += question_attention(qs, keys, self.query_pos, module.scaling)
         self._seen.add(layer)
-        if layer == self.layers - 1:
-            raise ProbeDone
 
     @property
     def scores(self) -> torch.Tensor:
@@ -75,3 +77,15 @@ class QueryProbe:
             raise RuntimeError(f"the query probe did not see the attention of layers {missing}")
         total = self._total if self.reduce is None else self.reduce(self._total)
         return total.cpu()
+
+
+class ProbeCut:
+    """Ends a probe pass after layer ``layers - 1``'s attention. Registered after the
+    probes of the pass, so that each has scored that layer first."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    def after_attention(self, layer: int, module: Any, q: torch.Tensor | None) -> None:
+        if layer >= self.layers - 1:
+            raise ProbeDone

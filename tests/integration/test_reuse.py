@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 import torch
 
-from tests.integration.prompts import body, chunked
+from tests.integration.prompts import body, chunked, ids
 from tests.integration.server import Server, launch
 
 pytestmark = pytest.mark.sglang
@@ -151,6 +153,83 @@ def test_query_aware_probe_matches_oracle(server: Server) -> None:
     sinks_only = make_policy(PicConfig(**{**pic, "qa_sink_tokens": 10_000}))
     other = torch.log_softmax(oracle.reuse(t, layout, chunks, sinks_only).logits.double(), -1)
     assert max(abs(float(other[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
+
+
+def _batches_of_three(server: Server) -> int:
+    """Batches the server has logged with three chunked requests."""
+    text = Path(server.log_path).read_text(errors="replace")
+    return text.count("sgl_pic batch: 3 chunked request(s)")
+
+
+def _one_batch(server: Server, reqs: list[dict], attempt: int) -> list[requests.Response]:
+    """Sends ``reqs`` at once while a long plain prefill holds the scheduler, so that they
+    queue together and, normally, run as one batch (the caller checks that they did)."""
+    import concurrent.futures as cf
+
+    from tests.integration.prompts import DOCS
+
+    filler = " ".join(DOCS.values()) + "\n"
+    blocker = body(ids(f"Blocker {attempt}.\n" + filler * 24), None, n=1)
+    with cf.ThreadPoolExecutor(len(reqs) + 1) as pool:
+        first = pool.submit(server.generate, blocker)
+        time.sleep(0.5)  # the blocker's prefill has started (it runs for seconds)
+        futures = [pool.submit(server.generate, req) for req in reqs]
+        assert first.result().status_code == 200
+        return [f.result() for f in futures]
+
+
+def test_requests_of_one_batch_share_a_probe_pass_and_each_matches_oracle(
+    server: Server,
+) -> None:
+    """Three chunked query-aware requests, two with qa_layers 3 and one with 2, run as one
+    batch: two probe passes, and each request still gets the oracle's selection and
+    first-token logprobs (its rows of a shared pass are its own)."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.model.embedded import ensure_embedded_model
+    from sgl_pic.oracle import Oracle
+    from sgl_pic.selection import make_policy
+
+    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
+    cases = [
+        (["C", "E", "B"], "Which port has temples?", 3),
+        (["A", "D"], "Where do rivers meet?", 3),
+        (["E", "A", "C"], "Which city is cold?", 2),
+    ]
+    recomputed = "sgl_pic_recomputed_tokens_total"
+    # Batching is the scheduler's choice: the blocker makes it all but certain, and a
+    # few attempts (fresh headers, so no device prefix) make a timing hiccup harmless.
+    for attempt in range(3):
+        reqs, want = [], 0
+        for i, (names, question, layers) in enumerate(cases):
+            header = f"Probe batch {attempt}.{i}.\n"
+            toks, spans = chunked(names, question, header=header)
+            pic = {"policy": "query_aware", "qa_ratio": 0.2, "qa_sink_tokens": 2}
+            pic["qa_layers"] = layers
+            req = body(toks, spans, n=1, **pic)
+            req.update(return_logprob=True, top_logprobs_num=8)
+            t = torch.tensor(toks)
+            layout = PromptLayout.from_spans(len(toks), spans)
+            chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
+            res = oracle.reuse(t, layout, chunks, make_policy(PicConfig().with_overrides(**pic)))
+            want += res.computed.indices.numel()
+            reqs.append((req, torch.log_softmax(res.logits.double(), -1)))
+        before, seen = server.metrics(), _batches_of_three(server)
+        outs = _one_batch(server, [req for req, _ in reqs], attempt)
+        after = server.metrics()
+        assert all(o.status_code == 200 for o in outs), [o.text for o in outs]
+        assert after["sgl_pic_failures_total"] == before["sgl_pic_failures_total"]
+        assert after[recomputed] - before[recomputed] == want
+        for (_, ref), out in zip(reqs, outs, strict=True):
+            top = out.json()["meta_info"]["output_top_logprobs"][0]  # [[logprob, id, _]]
+            for logprob, token_id, _ in top:
+                assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob)
+        passes = after["sgl_pic_probe_passes_total"] - before.get("sgl_pic_probe_passes_total", 0)
+        assert 2 <= passes <= 3
+        # Two passes alone could be the qa_layers-3 pair batched and the third on its own.
+        if passes == 2 and _batches_of_three(server) > seen:
+            return
+    pytest.fail("the three requests never ran as one batch:\n" + server.log_tail())
 
 
 @pytest.mark.parametrize(
