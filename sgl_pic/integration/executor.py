@@ -205,7 +205,11 @@ class ChunkExecutor:
 
     def _assemble(self, plans: dict[int, RequestPlan]) -> None:
         for plan in plans.values():
-            planner.classify(plan, lambda s, e, plan=plan: self._lookup(plan, s, e))
+            planner.classify(
+                plan,
+                lambda s, e, plan=plan: self._lookup(plan, s, e),
+                lambda s, e, keep, plan=plan: self._lookup_tail(plan, s, e, keep),
+            )
 
     def _lookup(self, plan: RequestPlan, start: int, end: int) -> ChunkLookup:
         """Where chunk [start, end) is reused from. A device hit is copied in now; its
@@ -232,6 +236,25 @@ class ChunkExecutor:
                 plan.locked_keys.append(k.digest)
         plan.lower.append((start, end, lower))
         return ChunkLookup(lower.tier, lower.ranking)
+
+    def _lookup_tail(self, plan: RequestPlan, start: int, end: int, keep: int) -> ChunkLookup:
+        """Chunk [start, end) whose positions before ``keep`` are device prefix: on a
+        device hit its rows from ``keep`` on are copied into the request's own slots there
+        (the prefix's slots are shared and stay as they are). Host and disk copies are not
+        used: their loads place whole chunks."""
+        chunk_ids = plan.pending.token_ids[start:end]
+        if chunk_ids in self.promoter:
+            self.promoter.finish(chunk_ids, self.feed_timeout_s)
+        hit = self.nodes.match(chunk_ids)
+        if hit is None:
+            return ChunkLookup(None, None)
+        self.nodes.lock(hit.nodes)
+        plan.locked_nodes.extend(hit.nodes)
+        # Rows keep - start.. of the chunk, keys at those chunk positions: moving them by
+        # ``start`` puts them at keep..end-1.
+        kv = self.kv.read(hit.slots[keep - start :])
+        self.kv.write_rotated(self._slots(plan, keep, end), kv, start)
+        return ChunkLookup("device", hit.ranking)
 
     # ----------------------------------------------------------------- phase 1
     def _phase1(self, stack: Stack, live: Any, plans: dict[int, RequestPlan]) -> None:

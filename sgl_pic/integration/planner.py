@@ -66,9 +66,16 @@ class ChunkLookup(NamedTuple):
     ranking: torch.Tensor | None
 
 
-def classify(plan: RequestPlan, lookup: Callable[[int, int], ChunkLookup]) -> None:
+def classify(
+    plan: RequestPlan,
+    lookup: Callable[[int, int], ChunkLookup],
+    lookup_tail: Callable[[int, int, int], ChunkLookup] | None = None,
+) -> None:
     """Fills the plan's rankings, hits, misses, forced positions and stats. ``lookup`` is
-    called once per chunk past the device prefix, in prompt order."""
+    called once per chunk past the device prefix, in prompt order; ``lookup_tail(start,
+    end, prefix)`` once for the chunk the device prefix ends inside, whose positions from
+    the prefix on may be reused from the chunk's device copy (a hit) or are recomputed (a
+    miss, or no ``lookup_tail``)."""
     layout = plan.layout
     device = contiguous = disjoint = reused = 0
     by_tier = dict.fromkeys(TIERS, 0)
@@ -82,11 +89,22 @@ def classify(plan: RequestPlan, lookup: Callable[[int, int], ChunkLookup]) -> No
             plan.rankings.append(torch.zeros(span.length))  # host: planning
             continue
         if span.start < plan.prefix:
-            # Part exact device prefix, part new: the new part has no independent KV to
-            # borrow (its slots' neighbours are shared), so it is always recomputed.
-            forced.append(torch.arange(plan.prefix, span.end))  # host: planning
-            seen_miss = True
-            plan.rankings.append(torch.zeros(span.length))  # host: planning
+            # Part device prefix, part new: SGLang's radix cache matched the chunk's first
+            # tokens (text that other prompts share there, such as a "Passage:" label).
+            # The rest is the chunk's KV from its device copy when it has one; with no copy
+            # it is recomputed, as phase 1 would have to write the prefix's shared slots.
+            tail = lookup_tail(span.start, span.end, plan.prefix) if lookup_tail else None
+            if tail is None or tail.tier is None:
+                forced.append(torch.arange(plan.prefix, span.end))  # host: planning
+                seen_miss = True
+                plan.rankings.append(torch.zeros(span.length))  # host: planning
+                continue
+            plan.rankings.append(tail.ranking)
+            by_tier[tail.tier] += 1
+            plan.tiers.add(tail.tier)
+            plan.hit_spans.append((plan.prefix, span.end))
+            reused += span.end - plan.prefix
+            contiguous += 1  # it adjoins the device prefix
             continue
         hit = lookup(span.start, span.end)
         plan.rankings.append(hit.ranking)

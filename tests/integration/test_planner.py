@@ -92,6 +92,32 @@ def test_classify_splits_prefix_hits_and_misses() -> None:
     assert (s.reused_tokens, s.new_tokens, s.prefix_hit_tokens) == (6, 14, 6)
 
 
+def test_a_chunk_the_prefix_cuts_reuses_its_device_copy_from_the_prefix_on() -> None:
+    # The device prefix (6) ends inside chunk [4, 8): its tail is looked up once, with the
+    # prefix; a device hit makes 6..7 reused, a miss leaves them recomputed.
+    for tier, forced, reused in (("device", [], 2 + 4), (None, [6, 7], 4)):
+        plan = _plan(spans=[[0, 4], [4, 8], [8, 12]], n=16, prefix=6)
+        tails: list[tuple[int, int, int]] = []
+
+        def lookup_tail(
+            start: int, end: int, keep: int, tier: str | None = tier, tails: list = tails
+        ) -> ChunkLookup:
+            tails.append((start, end, keep))
+            return ChunkLookup(tier, torch.arange(4.0) if tier else None)
+
+        planner.classify(plan, lambda s, e: ChunkLookup("device", None), lookup_tail)
+        assert tails == [(4, 8, 6)]
+        assert plan.forced is not None and plan.forced.tolist() == forced
+        s = plan.stats
+        assert s is not None and s.reused_tokens == reused
+        if tier:
+            assert plan.hit_spans == [(6, 8), (8, 12)] and plan.rankings[1] is not None
+            assert (s.contiguous_hits, s.device_hits, s.prefix_hit_tokens) == (2, 2, 12)
+        else:
+            assert plan.hit_spans == [(8, 12)]
+            assert (s.contiguous_hits, s.disjoint_hits) == (0, 1)  # after the recomputed tail
+
+
 def test_select_refines_by_prefix_and_counts_reuse() -> None:
     plan = _plan(spans=[[0, 8], [8, 16]], n=20, prefix=4, policy="epic", overrides={"epic_k": 2})
     planner.classify(plan, lambda s, e: ChunkLookup("device", None))

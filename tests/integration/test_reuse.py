@@ -106,6 +106,63 @@ def test_last_token_logits_match_oracle(server: Server) -> None:
     assert max(abs(float(full[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
 
 
+def test_a_chunk_the_radix_prefix_cuts_reuses_its_device_copy(server: Server) -> None:
+    """Two chunks open with the same label. After a request with the first, SGLang's radix
+    prefix of a request with the second ends inside it, after the label; the second was
+    cached earlier, so its rest comes from its chunk node (a contiguous device hit)
+    instead of being recomputed, and the answer is the oracle's for exactly that KV."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.model.embedded import ensure_embedded_model
+    from sgl_pic.oracle import Oracle
+    from sgl_pic.selection import finalize, make_policy
+    from sgl_pic.selection.base import SelectionContext
+    from tests.integration.prompts import DOCS
+
+    label = ids("Archive card 93 reads:")
+    first, second = label + ids(" " + DOCS["C"] + "\n"), label + ids(" " + DOCS["E"] + "\n")
+    head = ids("Walrus ledger.\n")
+    question = ids("Question: Which city is a port?\nAnswer:")
+
+    def request(h: list[int], chunk: list[int]) -> tuple[list[int], list[list[int]], dict]:
+        toks = h + chunk + question
+        spans = [[len(h), len(h) + len(chunk)]]
+        req = body(toks, spans, n=1, policy="full_reuse")
+        req.update(return_logprob=True, top_logprobs_num=8)
+        return toks, spans, req
+
+    r = server.generate(request(ids("Heron ledger.\n"), second)[2])  # caches `second`
+    assert r.status_code == 200, r.text
+    r = server.generate(request(head, first)[2])  # leaves head + label as radix prefix
+    assert r.status_code == 200, r.text
+    toks, spans, req = request(head, second)
+    out, d = _delta(server, req)
+    prefix = len(head) + len(label)
+    assert out["meta_info"]["cached_tokens"] == prefix
+    assert (d[CONTIG], d[DISJOINT], d[MISSES], d[ENCODED]) == (1, 0, 0, 0)
+    assert d["sgl_pic_recomputed_tokens_total"] == len(question)  # fresh text only
+    assert d["sgl_pic_reused_tokens_total"] == len(second) - len(label)
+
+    # The KV the request ran on: head exact (fresh in the request that left it), the label
+    # as that request had it (the same tokens' chunk KV), the rest `second`'s chunk KV.
+    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
+    t = torch.tensor(toks)
+    layout = PromptLayout.from_spans(len(toks), spans)
+    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
+    kv = oracle.assemble(t, layout, chunks)
+    exact = oracle.prefill(t[: len(head)]).kv
+    kv.k[:, : len(head)] = exact.k
+    kv.v[:, : len(head)] = exact.v
+    policy = make_policy(PicConfig(policy="full_reuse"))
+    ctx = SelectionContext(layout, tuple(c.ranking for c in chunks), lambda: None, prefix)
+    ref = torch.log_softmax(
+        oracle.recompute(t, kv, finalize(policy.select(ctx), layout, prefix)).logits.double(), -1
+    )
+    top = out["meta_info"]["output_top_logprobs"][0]  # [[logprob, token_id, text], ...]
+    for logprob, token_id, _ in top:
+        assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
+
+
 def _server_against_oracle(server: Server, toks: list[int], spans: list, **pic: object) -> Any:
     """Sends the chunked request with ``pic`` overrides, checks its selection size and
     top-8 first-token logprobs against the oracle's (a different set of the same size
