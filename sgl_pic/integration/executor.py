@@ -208,13 +208,19 @@ class ChunkExecutor:
             planner.classify(
                 plan,
                 lambda s, e, plan=plan: self._lookup(plan, s, e),
-                lambda s, e, keep, plan=plan: self._lookup_tail(plan, s, e, keep),
+                lambda s, e, keep, plan=plan: self._lookup(plan, s, e, keep),
             )
 
-    def _lookup(self, plan: RequestPlan, start: int, end: int) -> ChunkLookup:
+    def _lookup(
+        self, plan: RequestPlan, start: int, end: int, keep: int | None = None
+    ) -> ChunkLookup:
         """Where chunk [start, end) is reused from. A device hit is copied in now; its
         nodes and a lower hit's records stay locked until the batch ends, so nothing the
-        request reads is evicted under it."""
+        request reads is evicted under it. ``keep``: when the device prefix ends inside the
+        chunk, its first position past the prefix; only a device copy serves then (its
+        rows from ``keep`` on; the prefix's slots are shared and stay as they are), since
+        host and disk loads place whole chunks."""
+        keep = start if keep is None else keep
         chunk_ids = plan.pending.token_ids[start:end]
         if chunk_ids in self.promoter:
             # Its full load is already under way: finishing it costs less than loading
@@ -224,9 +230,12 @@ class ChunkExecutor:
         if hit is not None:
             self.nodes.lock(hit.nodes)
             plan.locked_nodes.extend(hit.nodes)
-            self.kv.write_rotated(self._slots(plan, start, end), self.kv.read(hit.slots), start)
+            # Rows keep - start.. hold keys at those chunk positions: moving them by
+            # ``start`` puts them at keep..end-1.
+            kv = self.kv.read(hit.slots[keep - start :])
+            self.kv.write_rotated(self._slots(plan, keep, end), kv, start)
             return ChunkLookup("device", hit.ranking)
-        if self.lower is None:
+        if self.lower is None or keep > start:
             return ChunkLookup(None, None)
         lower = self.lower.match(chunk_ids)
         if lower is None:
@@ -236,25 +245,6 @@ class ChunkExecutor:
                 plan.locked_keys.append(k.digest)
         plan.lower.append((start, end, lower))
         return ChunkLookup(lower.tier, lower.ranking)
-
-    def _lookup_tail(self, plan: RequestPlan, start: int, end: int, keep: int) -> ChunkLookup:
-        """Chunk [start, end) whose positions before ``keep`` are device prefix: on a
-        device hit its rows from ``keep`` on are copied into the request's own slots there
-        (the prefix's slots are shared and stay as they are). Host and disk copies are not
-        used: their loads place whole chunks."""
-        chunk_ids = plan.pending.token_ids[start:end]
-        if chunk_ids in self.promoter:
-            self.promoter.finish(chunk_ids, self.feed_timeout_s)
-        hit = self.nodes.match(chunk_ids)
-        if hit is None:
-            return ChunkLookup(None, None)
-        self.nodes.lock(hit.nodes)
-        plan.locked_nodes.extend(hit.nodes)
-        # Rows keep - start.. of the chunk, keys at those chunk positions: moving them by
-        # ``start`` puts them at keep..end-1.
-        kv = self.kv.read(hit.slots[keep - start :])
-        self.kv.write_rotated(self._slots(plan, keep, end), kv, start)
-        return ChunkLookup("device", hit.ranking)
 
     # ----------------------------------------------------------------- phase 1
     def _phase1(self, stack: Stack, live: Any, plans: dict[int, RequestPlan]) -> None:

@@ -88,25 +88,20 @@ def classify(
             # matter; a flat one keeps ranking policies total.
             plan.rankings.append(torch.zeros(span.length))  # host: planning
             continue
+        start = max(span.start, plan.prefix)
         if span.start < plan.prefix:
             # Part device prefix, part new: SGLang's radix cache matched the chunk's first
             # tokens (text that other prompts share there, such as a "Passage:" label).
             # The rest is the chunk's KV from its device copy when it has one; with no copy
             # it is recomputed, as phase 1 would have to write the prefix's shared slots.
-            tail = lookup_tail(span.start, span.end, plan.prefix) if lookup_tail else None
-            if tail is None or tail.tier is None:
-                forced.append(torch.arange(plan.prefix, span.end))  # host: planning
+            hit = lookup_tail(span.start, span.end, start) if lookup_tail else None
+            if hit is None or hit.tier is None:
+                forced.append(torch.arange(start, span.end))  # host: planning
                 seen_miss = True
                 plan.rankings.append(torch.zeros(span.length))  # host: planning
                 continue
-            plan.rankings.append(tail.ranking)
-            by_tier[tail.tier] += 1
-            plan.tiers.add(tail.tier)
-            plan.hit_spans.append((plan.prefix, span.end))
-            reused += span.end - plan.prefix
-            contiguous += 1  # it adjoins the device prefix
-            continue
-        hit = lookup(span.start, span.end)
+        else:
+            hit = lookup(span.start, span.end)
         plan.rankings.append(hit.ranking)
         if hit.tier is None:
             plan.misses.append((span.start, span.end))
@@ -114,8 +109,8 @@ def classify(
             continue
         by_tier[hit.tier] += 1
         plan.tiers.add(hit.tier)
-        plan.hit_spans.append((span.start, span.end))
-        reused += span.length
+        plan.hit_spans.append((start, span.end))
+        reused += span.end - start
         if seen_miss:
             disjoint += 1
         else:
