@@ -39,38 +39,45 @@ def rope_cos_sin(
 
 
 def apply_rope(
-    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    x: torch.Tensor,  # [..., num_tokens, num_heads, head_dim], e.g. [num_layers, ...] too
     positions: torch.Tensor,  # [num_tokens]
     inv_freq: torch.Tensor,  # [head_dim // 2]
     layout: RopeLayout = "neox",
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """A new tensor: x rotated to ``positions``. Partial rotary dims are rejected."""
+    """A new tensor: x rotated to ``positions``. Partial rotary dims are rejected.
+
+    Leading dims (layers) share the tokens' positions: one call rotates a chunk's keys in
+    every layer, since per-call costs, not arithmetic, dominate a loop over layers."""
     head_dim = x.shape[-1]
     if inv_freq.numel() * 2 != head_dim:
         raise ValueError(
             f"partial rotary embedding is not supported: rotary dim {inv_freq.numel() * 2} "
             f"!= head dim {head_dim}"
         )
-    if positions.shape[0] != x.shape[0]:
-        raise ValueError(f"{positions.shape[0]} positions for {x.shape[0]} tokens")
+    if x.dim() < 3 or positions.shape[0] != x.shape[-3]:
+        raise ValueError(f"{positions.shape[0]} positions for x of shape {tuple(x.shape)}")
+    if layout not in ("neox", "interleaved"):
+        raise ValueError(f"unknown RoPE layout {layout!r}; valid: neox, interleaved")
     cos, sin = rope_cos_sin(positions, inv_freq, scale)
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     xf = x.to(torch.float32)
+    out = torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
     if layout == "neox":
         half = head_dim // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    elif layout == "interleaved":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        x1, x2, o1, o2 = xf[..., :half], xf[..., half:], out[..., :half], out[..., half:]
     else:
-        raise ValueError(f"unknown RoPE layout {layout!r}; valid: neox, interleaved")
+        x1, x2, o1, o2 = xf[..., 0::2], xf[..., 1::2], out[..., 0::2], out[..., 1::2]
+    # Written into the halves of ``out``: no temporaries to concatenate.
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
     return out.to(x.dtype)
 
 
 def rerotate(
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], post-RoPE at old_positions
+    k: torch.Tensor,  # [..., num_tokens, num_kv_heads, head_dim], post-RoPE at old_positions
     old_positions: torch.Tensor,  # [num_tokens]
     new_positions: torch.Tensor,  # [num_tokens]
     inv_freq: torch.Tensor,  # [head_dim // 2]
@@ -89,7 +96,4 @@ def rotate_layers(
     layout: RopeLayout = "neox",
 ) -> torch.Tensor:
     """A new tensor: every layer's keys rotated by ``positions``, in one RoPE call."""
-    num_layers, n, heads, dim = keys.shape
-    flat = keys.permute(1, 0, 2, 3).reshape(n, num_layers * heads, dim)
-    out = apply_rope(flat, positions, inv_freq, layout)
-    return out.reshape(n, num_layers, heads, dim).permute(1, 0, 2, 3)
+    return apply_rope(keys, positions, inv_freq, layout)

@@ -48,10 +48,13 @@ class KVAccess:
         kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at positions 0..n-1
         start: int,
     ) -> None:
-        """Writes ``kv`` to ``slots`` with keys moved to positions start..start+n-1."""
+        """Writes ``kv`` to ``slots`` with keys moved to positions start..start+n-1. The
+        keys of ``kv`` are rotated in place, so pass a copy this request owns (``read``
+        makes one): rotating them where they lie saves two copies of every layer's keys."""
         kv = kv.to(self.device)
         if start:
-            kv = torch.stack([self._rotate(kv[:, 0], start), kv[:, 1]], dim=1)
+            keys = kv[:, 0]
+            keys.copy_(self._rotate(keys, start))
         write_pool_kv(self.pool, self.num_layers, slots.to(self.device), kv)
 
     def pre_rope_keys(self, kv: torch.Tensor) -> torch.Tensor:

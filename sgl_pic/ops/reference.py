@@ -8,6 +8,8 @@ slot is unspecified, here as in the kernels.
 
 from __future__ import annotations
 
+import torch
+
 from sgl_pic.ops.kvops import KVOps, OpResult
 from sgl_pic.ops.validate import CopyPlan, RopePlan
 from sgl_pic.rope import apply_rope, rerotate
@@ -26,16 +28,27 @@ def run_copy(plan: CopyPlan) -> None:
 
 def run_rope(plan: RopePlan) -> None:
     """Executes a validated RoPE plan with ``sgl_pic.rope``."""
+    if plan.row_ids is None and plan.target.stacked is not None:
+        # Every row of a stacked buffer (a chunk's KV, not the pool): all layers in one
+        # call, about 10x faster than a call per layer for chunks of a few hundred tokens.
+        plan.target.stacked.copy_(_rotated(plan.target.stacked, plan))
+        return
     for layer in plan.target.views:
         rows = layer if plan.row_ids is None else layer.index_select(0, plan.row_ids)
-        if plan.old_positions is None:
-            out = apply_rope(rows, plan.positions, plan.inv_freq, plan.layout, plan.scale)
-        else:
-            out = rerotate(rows, plan.old_positions, plan.positions, plan.inv_freq, plan.layout)
+        out = _rotated(rows, plan)
         if plan.row_ids is None:
             layer.copy_(out)
         else:
             layer.index_copy_(0, plan.row_ids, out)
+
+
+def _rotated(
+    rows: torch.Tensor,  # [..., n, num_kv_heads, head_dim], rotated by the plan's positions
+    plan: RopePlan,
+) -> torch.Tensor:
+    if plan.old_positions is None:
+        return apply_rope(rows, plan.positions, plan.inv_freq, plan.layout, plan.scale)
+    return rerotate(rows, plan.old_positions, plan.positions, plan.inv_freq, plan.layout)
 
 
 def _copy(plan: CopyPlan) -> OpResult:

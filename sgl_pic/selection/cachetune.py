@@ -4,7 +4,8 @@ When a chunk's KV is generated, its positions are ranked once:
 
 1. per layer, rFFT of K and of V along the token axis (every head and channel is a
    sequence of N tokens), keeping the lowest ceil(alpha * (N // 2 + 1)) bins;
-2. inverse rFFT to length N: a low-frequency K and V aligned with the positions;
+2. inverse rFFT to length N: a low-frequency K and V aligned with the positions
+   (computed as the equal orthogonal projection onto the kept frequencies);
 3. per token, the L2 magnitude of the low-frequency K and of V over heads x dims,
    added with equal weights;
 4. per layer, a z-score (subtract the layer's mean over tokens, divide by its
@@ -26,6 +27,7 @@ one of step 3-5 applied to the plain K/V norms (the paper notes the reduction).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -119,14 +121,34 @@ def _low_pass_magnitude(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """
     # FFTs of half precision are limited on CPU and lossy; float64 stays float64.
     work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    num_tokens = work.shape[1]
+    num_layers, num_tokens = work.shape[:2]
     num_bins = num_tokens // 2 + 1
     keep = max(1, math.ceil(alpha * num_bins - 1e-9))
+    flat = work.reshape(num_layers, num_tokens, -1)
     if keep < num_bins:
-        spectrum = torch.fft.rfft(work, dim=1)
-        spectrum[:, keep:] = 0
-        work = torch.fft.irfft(spectrum, n=num_tokens, dim=1)
-    return work.flatten(2).norm(dim=2)
+        basis = _low_frequency_basis(num_tokens, keep, work.dtype, str(work.device))
+        flat = torch.matmul(basis, torch.matmul(basis.T, flat))
+    return flat.norm(dim=2)
+
+
+@functools.lru_cache(maxsize=512)
+def _low_frequency_basis(
+    num_tokens: int, keep: int, dtype: torch.dtype, device: str
+) -> torch.Tensor:
+    """# [num_tokens, 2 * keep - 1] orthonormal columns spanning the real sequences of
+    rFFT bins 0..keep-1 (keep < num_tokens // 2 + 1, so the Nyquist bin is never kept).
+
+    irfft(rfft(x) with bins keep.. zeroed) is the orthogonal projection of x onto them,
+    so ``basis @ basis.T @ x`` is that low-pass filter. Two small matmuls cost a fifth
+    of the two FFTs on a CPU, and chunks of each new length made the FFTs plan again
+    (7 ms against 1.5 ms per tensor of a 100-token chunk of the embedded model)."""
+    t = torch.arange(num_tokens, dtype=torch.float64)
+    cols = [torch.full((num_tokens,), 1 / math.sqrt(num_tokens), dtype=torch.float64)]
+    for k in range(1, keep):
+        angle = (2 * math.pi * k / num_tokens) * t
+        cols += [torch.cos(angle) * math.sqrt(2 / num_tokens)]
+        cols += [torch.sin(angle) * math.sqrt(2 / num_tokens)]
+    return torch.stack(cols, dim=1).to(dtype=dtype, device=device)
 
 
 def _standardise(magnitude: torch.Tensor) -> torch.Tensor:

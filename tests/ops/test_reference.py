@@ -123,6 +123,22 @@ def test_apply_rope_all_rows_equals_rope_module(dtype, layout, rand_kv, gen) -> 
 
 
 @pytest.mark.parametrize("layout", ["neox", "interleaved"])
+def test_apply_rope_over_a_stacked_kv_view_rotates_every_layer_and_only_keys(
+    layout, rand_kv, gen
+) -> None:
+    # A chunk's KV as the executor holds it: keys are kv[:, 0], whose layers lie apart.
+    kv = torch.stack([rand_kv(4, 9, 2, 16), rand_kv(4, 9, 2, 16)], dim=1)
+    before = kv.clone()
+    inv_freq = default_inv_freq(16, 10000.0)
+    positions = torch.randint(-500, 500, (9,), generator=gen)
+    reference.apply_rope_kv(kv[:, 0], positions, inv_freq, layout)
+    for layer in range(4):
+        expected = _complex_rope(before[layer, 0], positions, inv_freq, layout, 1.0).float()
+        torch.testing.assert_close(kv[layer, 0], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kv[:, 1], before[:, 1])
+
+
+@pytest.mark.parametrize("layout", ["neox", "interleaved"])
 def test_rerotation_equals_encoding_at_new_position(layout, rand_kv, gen, distinct) -> None:
     raw = rand_kv(40, 3, 64)
     inv_freq = default_inv_freq(64, 10000.0)

@@ -6,6 +6,7 @@ import torch
 from sgl_pic.config import PicConfig
 from sgl_pic.layout import PromptLayout
 from sgl_pic.selection import SelectionContext, cachetune_ranking, make_policy
+from sgl_pic.selection.cachetune import _low_pass_magnitude
 
 
 def _kv(layers: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +48,22 @@ def test_low_frequency_signal_dominates_high_frequency_at_small_alpha() -> None:
     top_low = set(_order(cachetune_ranking(k, v, 0.5))[:3])
     assert all(i % 2 == 0 for i in top_plain)
     assert top_low == {39, 40, 41}
+
+
+@pytest.mark.parametrize("tokens", [2, 7, 16, 61, 100])
+@pytest.mark.parametrize("alpha", [0.01, 0.25, 0.6, 0.99])
+def test_low_pass_equals_the_rfft_filter(tokens: int, alpha: float) -> None:
+    # The definition: irfft of the spectrum with bins keep.. zeroed (float64).
+    k, _ = _kv(3, tokens, tokens)
+    x = k.double()
+    keep = max(1, math.ceil(alpha * (tokens // 2 + 1) - 1e-9))
+    spectrum = torch.fft.rfft(x, dim=1)
+    spectrum[:, keep:] = 0
+    expected = torch.fft.irfft(spectrum, n=tokens, dim=1).flatten(2).norm(dim=2)
+    torch.testing.assert_close(_low_pass_magnitude(x, alpha), expected, rtol=1e-10, atol=1e-10)
+    got32 = _low_pass_magnitude(k, alpha)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_shapes_and_dtype() -> None:
