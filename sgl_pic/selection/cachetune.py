@@ -125,13 +125,23 @@ def _low_pass_magnitude(x: torch.Tensor, alpha: float) -> torch.Tensor:
     num_bins = num_tokens // 2 + 1
     keep = max(1, math.ceil(alpha * num_bins - 1e-9))
     flat = work.reshape(num_layers, num_tokens, -1)
-    if keep < num_bins:
+    if keep < num_bins and num_tokens <= _PROJECTION_MAX_TOKENS:
         basis = _low_frequency_basis(num_tokens, keep, work.dtype, str(work.device))
         flat = torch.matmul(basis, torch.matmul(basis.T, flat))
+    elif keep < num_bins:
+        spectrum = torch.fft.rfft(flat, dim=1)
+        spectrum[:, keep:] = 0
+        flat = torch.fft.irfft(spectrum, n=num_tokens, dim=1)
     return flat.norm(dim=2)
 
 
-@functools.lru_cache(maxsize=512)
+# The projection costs ~alpha * N^2 per channel against the FFTs' ~N log N: measured on
+# this CPU it is the faster up to ~1k tokens and the slower at 2k. Past this length (or a
+# basis above 0.5 MiB at alpha 0.5) the FFTs run.
+_PROJECTION_MAX_TOKENS = 512
+
+
+@functools.lru_cache(maxsize=64)
 def _low_frequency_basis(
     num_tokens: int, keep: int, dtype: torch.dtype, device: str
 ) -> torch.Tensor:

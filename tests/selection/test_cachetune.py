@@ -50,7 +50,7 @@ def test_low_frequency_signal_dominates_high_frequency_at_small_alpha() -> None:
     assert top_low == {39, 40, 41}
 
 
-@pytest.mark.parametrize("tokens", [2, 7, 16, 61, 100])
+@pytest.mark.parametrize("tokens", [2, 7, 16, 61, 100, 513, 700])
 @pytest.mark.parametrize("alpha", [0.01, 0.25, 0.6, 0.99])
 def test_low_pass_equals_the_rfft_filter(tokens: int, alpha: float) -> None:
     # The definition: irfft of the spectrum with bins keep.. zeroed (float64).
