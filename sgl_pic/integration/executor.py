@@ -273,9 +273,8 @@ class ChunkExecutor:
         for plan, start, end in misses:
             slots = self._slots(plan, start, end)
             chunk_ids = plan.pending.token_ids[start:end]
-            # All of it on one thread, as the copies: under a serving load the ranking's
-            # small FFTs and norms took ~20 ms per chunk on two threads (rag_churn profile),
-            # against 0.2 ms on one.
+            # All of it on one thread, as the copies: small ops, where OpenMP's barriers
+            # under a serving load cost more than a second thread gains (``single_thread``).
             with single_thread():
                 kv = self.kv.read(slots)  # keys at positions 0..n-1
                 # Pre-RoPE keys, once: CacheTune ranks them and the lower tiers store them.
