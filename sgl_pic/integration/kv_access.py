@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from sgl_pic.integration.model_rope import ModelRope
-from sgl_pic.ops import read_pool_kv, rotated_keys, write_pool_kv
+from sgl_pic.ops import apply_rope_kv, read_pool_kv, rotated_keys, write_pool_kv
 
 
 @contextmanager
@@ -53,8 +53,7 @@ class KVAccess:
         makes one): rotating them where they lie saves two copies of every layer's keys."""
         kv = kv.to(self.device)
         if start:
-            keys = kv[:, 0]
-            keys.copy_(self._rotate(keys, start))
+            self._rotate_in_place(kv[:, 0], start)
         write_pool_kv(self.pool, self.num_layers, slots.to(self.device), kv)
 
     def pre_rope_keys(self, kv: torch.Tensor) -> torch.Tensor:
@@ -74,6 +73,16 @@ class KVAccess:
         idx = slots.to(kb.device)
         kb[idx] = k.to(kb.device, kb.dtype)
         vb[idx] = v.to(vb.device, vb.dtype)
+
+    def _rotate_in_place(self, keys: torch.Tensor, delta: int) -> None:
+        """keys # [L, n, H, D] (each layer contiguous) moved by ``delta`` positions where
+        they lie: the op rotates a KV buffer in place, with no copy to rotate and copy back."""
+        spec = self.rope.spec
+        if spec.inv_freq is None:
+            keys.copy_(self._rotate(keys, delta))
+            return
+        d = torch.full((keys.shape[1],), delta, dtype=torch.int64, device=keys.device)
+        apply_rope_kv(keys, d, spec.inv_freq.to(keys.device), spec.layout)
 
     def _rotate(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """keys # [L, n, H, D] rotated by ``delta`` positions (scalar or # [n])."""
