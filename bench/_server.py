@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the package, when it is not installed
     sys.path.insert(0, str(ROOT))
 STARTUP_TIMEOUT_S = 900.0
+_PREFILL = re.compile(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)")
 _PHASES = re.compile(r"assemble\+phase 1 ([0-9.]+) s, select\+phase 2 ([0-9.]+) s")
 
 
@@ -79,6 +80,17 @@ class Client:
             text = f.read()
             self._log_offset = f.tell()
         return [(float(a), float(b)) for a, b in _PHASES.findall(text)]
+
+    def prefill_batches(self) -> tuple[int, int]:
+        """(extend batches, their new tokens) SGLang's scheduler logged ("Prefill batch"
+        lines) since the last ``skip_log``; (0, 0) without a log. The batches as SGLang
+        formed them: sgl-pic's phase forwards split each chunked one further."""
+        if self.log_path is None:
+            return 0, 0
+        with open(self.log_path, errors="replace") as f:
+            f.seek(self._log_offset)
+            found = _PREFILL.findall(f.read())
+        return len(found), sum(int(n) for n in found)
 
     def log_tail(self, n: int = 60) -> str:
         if self.log_path is None:

@@ -35,6 +35,12 @@ ratio, which credits sgl-pic with shrinking even the request handling (a bound a
 it can reach); ``fraction_of_ideal`` is the measured throughput ratio over it, and
 ``fraction_of_prefill_ideal`` the same over the prefill-only ratio. Selection, assembly,
 phase 1 of missed chunks and every other sgl-pic overhead count against both.
+``computed_over_ideal_work`` and ``tokens_per_forward`` say where the gap comes from: the
+tokens sgl-pic computed (phase 1 and phase 2; a missed chunk's tokens that phase 2
+recomputes in context run twice) over the work the ideal counts, and the mean tokens of
+SGLang's extend batches (prefix caching) against those of the phase forwards (phase 1,
+probe, phase 2) sgl-pic splits its batches into: on a CPU a forward of fewer tokens costs
+more per token (``bench/layer_batch.py``).
 
 Results: ``bench/results/workloads.json`` (commit, dirty flag, per-request records) and
 ``workloads.png`` (hit rate over time). Timings mean something only on a quiet machine;
@@ -231,7 +237,27 @@ def agreement(
 def pic_figures(d: dict[str, float]) -> dict[str, Any]:
     lookups = metric(d, "sgl_pic_chunk_lookups_total")
     new = metric(d, "sgl_pic_new_tokens_total")
+    encoded = metric(d, "sgl_pic_encoded_tokens_total")
+    recomputed = metric(d, "sgl_pic_recomputed_tokens_total")
+    reused = metric(d, "sgl_pic_reused_tokens_total")
+    forwards = {
+        p: {
+            "forwards": metric(d, "sgl_pic_phase_forwards_total", phase=p),
+            "tokens": metric(d, "sgl_pic_phase_forward_tokens_total", phase=p),
+        }
+        for p in ("phase1", "probe", "deviation", "phase2")
+    }
+    for f in forwards.values():
+        f["tokens_per_forward"] = f["tokens"] / max(f["forwards"], 1)
     return {
+        # Phase 1 plus phase 2: a new token past the device prefix is reused, recomputed,
+        # or a missed chunk's phase-1 KV kept as it is; the rest of the missed chunks'
+        # tokens ran twice (phase 1, then again in context), which the ideal does not count.
+        "computed_tokens": encoded + recomputed,
+        "encoded_tokens": encoded,
+        "recomputed_tokens": recomputed,
+        "missed_tokens_computed_twice": encoded + recomputed + reused - new,
+        "phase_forwards": forwards,
         "chunk_lookups": lookups,
         "chunk_hit_rate": None
         if not lookups
@@ -287,7 +313,11 @@ def run_one(args: argparse.Namespace, name: str, sessions: list[Session], config
         sessions = first_token_only(sessions)
     with launch(flags) as client:
         before = client.metrics()
+        client.skip_log()
         res = run_stream(client, sessions, form, args.concurrency, args.window)
+        batches, batch_tokens = client.prefill_batches()
+        res["prefill_batches"] = batches
+        res["tokens_per_prefill_batch"] = batch_tokens / max(batches, 1)
         res["pic"] = pic_figures(delta(before, client.metrics())) if form == "pic" else None
         if form == "pic" and args.agreement:
             res["agreement"] = agreement(client, sessions, res, args.agreement, args.seed)
@@ -324,6 +354,19 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         "fraction_of_prefill_ideal": speedup * work,
         "ideal_speedup": base["wall_s"] / ideal_wall,
         "fraction_of_ideal": ideal_wall / pic["wall_s"],
+        # Where the gap to the ideal comes from, in tokens and forward sizes: what sgl-pic
+        # computed over the work the ideal counts, and the tokens per forward of SGLang's
+        # extend batches against those of the phase forwards sgl-pic splits them into.
+        "computed_over_ideal_work": pic["pic"]["computed_tokens"]
+        / max(pic["prefill_work_tokens"], 1),
+        "tokens_per_forward": {
+            "prefix_caching": base["tokens_per_prefill_batch"],
+            **{
+                f"sgl_pic_{p}": f["tokens_per_forward"]
+                for p, f in pic["pic"]["phase_forwards"].items()
+                if f["forwards"]
+            },
+        },
         "token_reuse_rate": {c: r["token_reuse_rate"] for c, r in runs.items()},
         "greedy_agreement": pic.get("agreement", {}).get("greedy_agreement"),
     }

@@ -41,7 +41,7 @@ from sgl_pic.integration.kv_access import KVAccess, single_thread
 from sgl_pic.integration.layer_feed import FeedTimeout, LayerFeed, MissingChunkError
 from sgl_pic.integration.lower_tiers import LowerTiers
 from sgl_pic.integration.metrics import PicMetrics
-from sgl_pic.integration.phases import PhaseRunner, Run, SubRequest, runs_of
+from sgl_pic.integration.phases import PhaseBatch, PhaseRunner, Run, SubRequest, runs_of
 from sgl_pic.integration.planner import ChunkLookup, RequestPlan
 from sgl_pic.integration.promoter import Promoter
 from sgl_pic.integration.query_probe import ProbeCut, QueryProbe
@@ -267,7 +267,7 @@ class ChunkExecutor:
                     subs.append(SubRequest(row, 0, end - start))
                     ids.extend(plan.pending.token_ids[start:end])
                 ids_t = torch.tensor(ids, dtype=torch.int64, device=table.device)
-                self.phases.run(stack, self.phases.prepare(live, subs, ids_t))
+                self._run("phase1", stack, self.phases.prepare(live, subs, ids_t))
         finally:
             self.phases.free_rows(rows)
         for plan, start, end in misses:
@@ -375,7 +375,7 @@ class ChunkExecutor:
             feed.start()
         self.phases.before_layer = [feed.before_layer for feed in feeds]
         try:
-            out = self.phases.run(stack, phase)
+            out = self._run("phase2", stack, phase)
         finally:
             self.phases.before_layer = []
             for feed in feeds:
@@ -440,7 +440,7 @@ class ChunkExecutor:
         phase = self.phases.prepare(live, [SubRequest(plan.pool_idx, p, n - p)], ids)
         self.phases.after_layer = [probe.after_layer]
         try:
-            self.phases.run(stack, phase)
+            self._run("deviation", stack, phase)
         except ProbeDone:
             pass
         finally:
@@ -528,12 +528,20 @@ class ChunkExecutor:
         self.phases.after_attention = [p.after_attention for p in probes.values()]
         self.phases.after_attention.append(ProbeCut(layers).after_attention)
         try:
-            self.phases.run(stack, phase)
+            self._run("probe", stack, phase)
         except ProbeDone:
             pass
         finally:
             self.phases.after_attention = []
         return {b: probe.scores for b, probe in probes.items()}
+
+    def _run(self, kind: str, stack: Stack, phase: PhaseBatch) -> torch.Tensor:
+        """``phases.run``, counted by kind (``PicMetrics.phase_forwards``) before it runs,
+        so that a pass its probe cuts short counts too."""
+        self.metrics.phase_forwards.labels(phase=kind).inc()
+        tokens = sum(sub.extend for sub in phase.subrequests)
+        self.metrics.phase_forward_tokens.labels(phase=kind).inc(tokens)
+        return self.phases.run(stack, phase)
 
     def _count_loaded(self, feed: LayerFeed) -> None:
         self.metrics.bytes_loaded.inc(feed.bytes_moved)

@@ -136,6 +136,19 @@ class PicMetrics:
             "sgl_pic_probe_passes",
             "Query-probe forwards (one per batch and qa_layers value, for all its requests)",
         )
+        # Forwards of few tokens cost more per token than SGLang's one extend forward of
+        # the whole batch (on a CPU, bench/layer_batch.py): these show how phases split it.
+        self.phase_forwards = Counter(
+            "sgl_pic_phase_forwards",
+            "Forwards the chunk path ran, by phase (phase1, probe, deviation, phase2)",
+            ["phase"],
+        )
+        self.phase_forward_tokens = Counter(
+            "sgl_pic_phase_forward_tokens",
+            "Tokens in those forwards, by phase (probe and deviation passes stop after their "
+            "first layers)",
+            ["phase"],
+        )
         self.run_merges = Counter(
             "sgl_pic_run_merges",
             "Times phase-2 runs were merged across a wider gap to fit the backend's batch",

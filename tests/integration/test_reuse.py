@@ -212,6 +212,39 @@ def test_query_aware_probe_matches_oracle(server: Server) -> None:
     assert max(abs(float(other[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
 
 
+def test_phase_forwards_are_counted_with_their_tokens(server: Server) -> None:
+    """Each forward the chunk path runs is counted by phase with its tokens: phase 1 has
+    exactly the missed chunks' tokens, phase 2 the recomputed ones, and the probe only
+    tokens phase 2 computes too."""
+    phases = ("phase1", "probe", "deviation", "phase2")
+    fwd = {p: f'sgl_pic_phase_forwards_total{{phase="{p}"}}' for p in phases}
+    tok = {p: f'sgl_pic_phase_forward_tokens_total{{phase="{p}"}}' for p in phases}
+    # Chunk text no other test sends: every chunk misses, whatever ran before.
+    docs = [f"Ibex ledger {i}: the ferry from Oskarn leaves at {7 + i} each day.\n" for i in (1, 2)]
+    toks, spans = ids("Ibex memo.\n"), []
+    for doc in docs:
+        spans.append([len(toks), len(toks) + len(ids(doc))])
+        toks += ids(doc)
+    toks += ids("Question: When does the ferry leave?\nAnswer:")
+    before = server.metrics()
+    r = server.generate(body(toks, spans, n=1, policy="query_aware"))
+    assert r.status_code == 200, r.text
+    after = server.metrics()
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in [*fwd.values(), *tok.values()]}
+    encoded = after[ENCODED] - before.get(ENCODED, 0.0)
+    recomputed = "sgl_pic_recomputed_tokens_total"
+    assert encoded == sum(e - s for s, e in spans)
+    assert (d[fwd["phase1"]], d[fwd["probe"]], d[fwd["deviation"]], d[fwd["phase2"]]) == (
+        1,
+        1,
+        0,
+        1,
+    )
+    assert d[tok["phase1"]] == encoded
+    assert d[tok["phase2"]] == after[recomputed] - before.get(recomputed, 0.0)
+    assert 0 < d[tok["probe"]] <= d[tok["phase2"]]
+
+
 def _batches_of_three(server: Server) -> int:
     """Batches the server has logged with three chunked requests."""
     text = Path(server.log_path).read_text(errors="replace")
