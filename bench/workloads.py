@@ -42,6 +42,12 @@ SGLang's extend batches (prefix caching) against those of the phase forwards (ph
 probe, phase 2) sgl-pic splits its batches into: on a CPU a forward of fewer tokens costs
 more per token (``bench/layer_batch.py``).
 
+One run after another gives a slow spell of this shared 2-core machine to whichever ran
+then (at f7bcfd9, rag_churn's sgl-pic with GDSF and then with LRU eviction did about the
+same prefill work, 55.5k and 56.5k tokens, in 221 s and 199 s). ``--interleave N``
+runs the three configurations behind the ideal side by side instead (``run_interleaved``):
+all three servers up, the stream sent to each in turn in blocks of at least N requests.
+
 Results: ``bench/results/workloads.json`` (commit, dirty flag, per-request records) and
 ``workloads.png`` (hit rate over time). Timings mean something only on a quiet machine;
 ``--smoke`` shows the pipeline works.
@@ -59,6 +65,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +164,7 @@ def run_stream(
     records: list[dict[str, Any]] = []
     windows = []
     last = client.metrics()
+    upto = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         futures = [pool.submit(worker) for _ in range(concurrency)]
@@ -170,8 +178,9 @@ def run_stream(
                 continue
             if len(records) % window == 0 or len(records) == total:
                 now = client.metrics()
-                windows.append(_window(delta(last, now), records[-window:], len(records)))
-                last = now
+                # The requests since the last window: a stream's last window may be short.
+                windows.append(_window(delta(last, now), records[upto:], len(records)))
+                last, upto = now, len(records)
         for f in futures:
             f.result()
     wall = time.perf_counter() - t0
@@ -308,19 +317,104 @@ def config_form(config: str) -> str:
 def run_one(args: argparse.Namespace, name: str, sessions: list[Session], config: str) -> dict:
     flags = config_flags(args.server_args, config)
     print(f"== {name} / {config}", flush=True)
-    form = config_form(config)
-    if config == "prefix_caching_first_token":
-        sessions = first_token_only(sessions)
     with launch(flags) as client:
         before = client.metrics()
         client.skip_log()
-        res = run_stream(client, sessions, form, args.concurrency, args.window)
-        batches, batch_tokens = client.prefill_batches()
-        res["prefill_batches"] = batches
-        res["tokens_per_prefill_batch"] = batch_tokens / max(batches, 1)
-        res["pic"] = pic_figures(delta(before, client.metrics())) if form == "pic" else None
-        if form == "pic" and args.agreement:
-            res["agreement"] = agreement(client, sessions, res, args.agreement, args.seed)
+        res = run_stream(
+            client, stream_of(sessions, config), config_form(config), args.concurrency, args.window
+        )
+        return finish(args, client, before, sessions, res, config)
+
+
+def run_interleaved(
+    args: argparse.Namespace, name: str, sessions: list[Session], configs: list[str]
+) -> dict[str, dict]:
+    """``--interleave N``: every configuration's server up at once, asleep while another
+    runs (``--sleep-on-idle``), and the stream sent in blocks of whole sessions of at least
+    N requests, each block to every server in turn, the order reversed every other block.
+    A slow spell of this machine then falls on every configuration alike, where one run
+    after another gives it to whichever ran then. A configuration's figures are over all of
+    its blocks: wall times summed, records and hit-rate windows joined; its server keeps
+    its cache from block to block, as in one stream."""
+    blocks: list[list[Session]] = [[]]
+    for session in sessions:
+        if blocks[-1] and sum(len(s) for s in blocks[-1]) >= args.interleave:
+            blocks.append([])
+        blocks[-1].append(session)
+    with ExitStack() as stack:
+        clients: dict[str, Client] = {}
+        for c in configs:
+            print(f"== {name} / {c} (interleaved, {len(blocks)} blocks)", flush=True)
+            flags = [*config_flags(args.server_args, c), "--sleep-on-idle"]
+            clients[c] = stack.enter_context(launch(flags))
+        before = {c: cl.metrics() for c, cl in clients.items()}
+        for cl in clients.values():
+            cl.skip_log()
+        parts: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+        for k, block in enumerate(blocks):
+            for c in configs if k % 2 == 0 else configs[::-1]:
+                part = run_stream(
+                    clients[c], stream_of(block, c), config_form(c), args.concurrency, args.window
+                )
+                print(f"  block {k}: {c} {part['wall_s']:.1f} s", flush=True)
+                parts[c].append(part)
+        return {
+            c: finish(args, clients[c], before[c], sessions, joined(parts[c], blocks), c)
+            for c in configs
+        }
+
+
+def joined(parts: list[dict[str, Any]], blocks: list[list[Session]]) -> dict[str, Any]:
+    """One stream's figures from its blocks' (``run_stream``): session numbers and
+    completion counts moved past the blocks before."""
+    records: list[dict[str, Any]] = []
+    windows: list[dict[str, Any]] = []
+    first_session = 0
+    for part, block in zip(parts, blocks, strict=True):
+        done = len(records)
+        records += [
+            {**r, "session": r["session"] + first_session, "completed": r["completed"] + done}
+            for r in part["records"]
+        ]
+        windows += [{**w, "completed": w["completed"] + done} for w in part["windows"]]
+        first_session += len(block)
+    wall = sum(p["wall_s"] for p in parts)
+    ttfts = sorted(r["ttft"] for r in records)
+    return {
+        "requests": len(records),
+        "wall_s": wall,
+        "requests_per_s": len(records) / wall,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "prompt_tokens": sum(p["prompt_tokens"] for p in parts),
+        "prefix_cached_tokens": sum(p["prefix_cached_tokens"] for p in parts),
+        "block_wall_s": [p["wall_s"] for p in parts],
+        "windows": windows,
+        "records": records,
+    }
+
+
+def stream_of(sessions: list[Session], config: str) -> list[Session]:
+    return first_token_only(sessions) if config == "prefix_caching_first_token" else sessions
+
+
+def finish(
+    args: argparse.Namespace,
+    client: Client,
+    before: dict[str, float],
+    sessions: list[Session],
+    res: dict[str, Any],
+    config: str,
+) -> dict[str, Any]:
+    """A run's figures from its stream (``res``) and the server's metrics and log since
+    ``before``; the greedy-agreement sample for sgl-pic."""
+    form = config_form(config)
+    batches, batch_tokens = client.prefill_batches()
+    res["prefill_batches"] = batches
+    res["tokens_per_prefill_batch"] = batch_tokens / max(batches, 1)
+    res["pic"] = pic_figures(delta(before, client.metrics())) if form == "pic" else None
+    if form == "pic" and args.agreement:
+        res["agreement"] = agreement(client, sessions, res, args.agreement, args.seed)
     reused = res["pic"]["reused_tokens"] if res["pic"] else 0.0
     res["prefill_work_tokens"] = res["prompt_tokens"] - res["prefix_cached_tokens"] - reused
     res["token_reuse_rate"] = 1 - res["prefill_work_tokens"] / max(res["prompt_tokens"], 1)
@@ -429,10 +523,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=30, help="completions before the churn check")
     ap.add_argument("--agreement", type=int, default=16, help="requests re-sent exactly")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="requests per block: all servers up at once, the stream sent block by block "
+        "to each in turn (0: one run after another)",
+    )
     ap.add_argument("--server-args", default=SERVER_ARGS, help="flags of every server")
     ap.add_argument("--smoke", action="store_true", help="a tiny stream: the pipeline works")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "workloads.json"))
     args = ap.parse_args()
+    if args.interleave < 0:
+        ap.error(f"--interleave must be >= 0, got {args.interleave}")
     if args.smoke:
         args.requests, args.window, args.warmup, args.agreement = 8, 2, 0, 2
         args.passage_tokens, args.max_new_tokens = 48, 4
@@ -447,8 +550,13 @@ def main() -> None:
     for name in args.workloads.split(","):
         sessions = WORKLOADS[name](src, args.requests, args.seed)
         configs = ["prefix_caching", "prefix_caching_first_token", "sgl_pic"]
-        configs += ["sgl_pic_lru"] if name == "rag_churn" else []
-        runs = {c: run_one(args, name, sessions, c) for c in configs}
+        if args.interleave:
+            runs = run_interleaved(args, name, sessions, configs)
+        else:
+            runs = {c: run_one(args, name, sessions, c) for c in configs}
+        if name == "rag_churn":
+            # Alone in both modes: a fourth server at once would not fit in 24 GiB.
+            runs["sgl_pic_lru"] = run_one(args, name, sessions, "sgl_pic_lru")
         report["workloads"][name] = {"runs": runs, "compare": compare(runs, args.warmup)}
         print(json.dumps({name: report["workloads"][name]["compare"]}, indent=1), flush=True)
     out = Path(args.out)
