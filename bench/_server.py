@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,9 +32,10 @@ class Client:
     """HTTP access to one server. ``log_path`` is its log when this process launched it
     (then the executor's per-batch phase timings can be read from it), else None."""
 
-    def __init__(self, url: str, log_path: str | None = None) -> None:
+    def __init__(self, url: str, log_path: str | None = None, pgid: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.log_path = log_path
+        self.pgid = pgid  # the server's process group, when this process launched it
         self._log_offset = 0
         self.skip_log()
 
@@ -80,6 +82,19 @@ class Client:
             text = f.read()
             self._log_offset = f.tell()
         return [(float(a), float(b)) for a, b in _PHASES.findall(text)]
+
+    def pause(self) -> None:
+        """Stops the server's processes (SIGSTOP to its group): an idle SGLang scheduler
+        polls for requests without sleeping, and on 2 cores that would slow whichever
+        server is running; ``--sleep-on-idle`` instead adds up to a second per request."""
+        if self.pgid is None:
+            raise RuntimeError("only a server this process launched can be paused")
+        os.killpg(self.pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.pgid is None:
+            raise RuntimeError("only a server this process launched can be resumed")
+        os.killpg(self.pgid, signal.SIGCONT)
 
     def prefill_batches(self) -> tuple[int, int]:
         """(extend batches, their new tokens) SGLang's scheduler logged ("Prefill batch"
@@ -149,7 +164,7 @@ def launch(
         args, startup_timeout_s, env=env, cwd=str(ROOT), log_prefix="sgl_pic_bench_server_"
     ) as proc:
         print(f"  log: {proc.log_path}\n  healthy after {time.monotonic() - t0:.0f} s", flush=True)
-        yield Client(proc.url, proc.log_path)
+        yield Client(proc.url, proc.log_path, proc.pid)
 
 
 def git_state() -> tuple[str | None, bool | None]:

@@ -46,7 +46,8 @@ One run after another gives a slow spell of this shared 2-core machine to whiche
 then (at f7bcfd9, rag_churn's sgl-pic with GDSF and then with LRU eviction did about the
 same prefill work, 55.5k and 56.5k tokens, in 221 s and 199 s). ``--interleave N``
 runs the three configurations behind the ideal side by side instead (``run_interleaved``):
-all three servers up, the stream sent to each in turn in blocks of at least N requests.
+all three servers up (those not serving paused), the stream sent to each in turn in blocks
+of at least N requests.
 
 Results: ``bench/results/workloads.json`` (commit, dirty flag, per-request records) and
 ``workloads.png`` (hit rate over time). Timings mean something only on a quiet machine;
@@ -64,8 +65,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -329,8 +331,8 @@ def run_one(args: argparse.Namespace, name: str, sessions: list[Session], config
 def run_interleaved(
     args: argparse.Namespace, name: str, sessions: list[Session], configs: list[str]
 ) -> dict[str, dict]:
-    """``--interleave N``: every configuration's server up at once, asleep while another
-    runs (``--sleep-on-idle``), and the stream sent in blocks of whole sessions of at least
+    """``--interleave N``: every configuration's server up at once, paused (SIGSTOP) while
+    another runs, and the stream sent in blocks of whole sessions of at least
     N requests, each block to every server in turn, the order reversed every other block.
     A slow spell of this machine then falls on every configuration alike, where one run
     after another gives it to whichever ran then. A configuration's figures are over all of
@@ -345,23 +347,43 @@ def run_interleaved(
         clients: dict[str, Client] = {}
         for c in configs:
             print(f"== {name} / {c} (interleaved, {len(blocks)} blocks)", flush=True)
-            flags = [*config_flags(args.server_args, c), "--sleep-on-idle"]
-            clients[c] = stack.enter_context(launch(flags))
-        before = {c: cl.metrics() for c, cl in clients.items()}
-        for cl in clients.values():
+            clients[c] = stack.enter_context(launch(config_flags(args.server_args, c)))
+            clients[c].pause()
+            # Resumed before the server is killed: a stopped process does not act on SIGTERM.
+            stack.callback(clients[c].resume)
+        before: dict[str, dict[str, float]] = {}
+        for c, cl in clients.items():
+            with running(cl):
+                before[c] = cl.metrics()
             cl.skip_log()
         parts: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
         for k, block in enumerate(blocks):
             for c in configs if k % 2 == 0 else configs[::-1]:
-                part = run_stream(
-                    clients[c], stream_of(block, c), config_form(c), args.concurrency, args.window
-                )
+                with running(clients[c]):
+                    part = run_stream(
+                        clients[c],
+                        stream_of(block, c),
+                        config_form(c),
+                        args.concurrency,
+                        args.window,
+                    )
                 print(f"  block {k}: {c} {part['wall_s']:.1f} s", flush=True)
                 parts[c].append(part)
-        return {
-            c: finish(args, clients[c], before[c], sessions, joined(parts[c], blocks), c)
-            for c in configs
-        }
+        out = {}
+        for c in configs:
+            with running(clients[c]):
+                out[c] = finish(args, clients[c], before[c], sessions, joined(parts[c], blocks), c)
+        return out
+
+
+@contextmanager
+def running(client: Client) -> Iterator[None]:
+    """The one server of an interleaved run that is not paused, for the ``with`` body."""
+    client.resume()
+    try:
+        yield
+    finally:
+        client.pause()
 
 
 def joined(parts: list[dict[str, Any]], blocks: list[list[Session]]) -> dict[str, Any]:
