@@ -86,8 +86,8 @@ class Client:
     def pause(self) -> None:
         """Stops the server's processes (SIGSTOP to its group): an idle SGLang scheduler
         polls for requests without sleeping, and on 2 cores that would slow whichever
-        server is running; with ``--sleep-on-idle`` instead, a trial's blocks ran up to 3.4x
-        as long."""
+        server is running; with ``--sleep-on-idle`` instead (a one-second idle poll), a
+        stopped trial's blocks ran far longer than paused ones."""
         if self.pgid is None:
             raise RuntimeError("only a server this process launched can be paused")
         os.killpg(self.pgid, signal.SIGSTOP)

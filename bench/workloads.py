@@ -185,18 +185,23 @@ def run_stream(
                 last, upto = now, len(records)
         for f in futures:
             f.result()
-    wall = time.perf_counter() - t0
+    return stream_figures(records, time.perf_counter() - t0, windows)
+
+
+def stream_figures(
+    records: list[dict[str, Any]], wall: float, windows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A stream's figures from its per-request records and wall time (a run's, or the
+    sum of an interleaved run's blocks)."""
     ttfts = sorted(r["ttft"] for r in records)
-    prompt = sum(r["prompt"] for r in records)
-    cached = sum(r["cached"] for r in records)
     return {
         "requests": len(records),
         "wall_s": wall,
         "requests_per_s": len(records) / wall,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "prompt_tokens": prompt,
-        "prefix_cached_tokens": cached,
+        "prompt_tokens": sum(r["prompt"] for r in records),
+        "prefix_cached_tokens": sum(r["cached"] for r in records),
         "windows": windows,
         "records": sorted(records, key=lambda r: (r["session"], r["turn"])),
     }
@@ -400,20 +405,8 @@ def joined(parts: list[dict[str, Any]], blocks: list[list[Session]]) -> dict[str
         ]
         windows += [{**w, "completed": w["completed"] + done} for w in part["windows"]]
         first_session += len(block)
-    wall = sum(p["wall_s"] for p in parts)
-    ttfts = sorted(r["ttft"] for r in records)
-    return {
-        "requests": len(records),
-        "wall_s": wall,
-        "requests_per_s": len(records) / wall,
-        "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "prompt_tokens": sum(p["prompt_tokens"] for p in parts),
-        "prefix_cached_tokens": sum(p["prefix_cached_tokens"] for p in parts),
-        "block_wall_s": [p["wall_s"] for p in parts],
-        "windows": windows,
-        "records": records,
-    }
+    res = stream_figures(records, sum(p["wall_s"] for p in parts), windows)
+    return {**res, "block_wall_s": [p["wall_s"] for p in parts]}
 
 
 def stream_of(sessions: list[Session], config: str) -> list[Session]:
