@@ -210,7 +210,8 @@ def tier_totals(clients: list[Client]) -> dict[str, float]:
 
 def summarize_metrics(d: dict[str, float]) -> dict[str, Any]:
     lookups = metric(d, "sgl_pic_chunk_lookups_total")
-    misses = metric(d, "sgl_pic_chunk_misses_total")
+    # A miss store admission deferred (computed in context, not stored) is a miss too.
+    misses = metric(d, "sgl_pic_chunk_misses_total") + metric(d, "sgl_pic_chunk_deferred_total")
     return {
         "chunk_lookups": lookups,
         "chunk_misses": misses,

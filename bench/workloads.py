@@ -208,11 +208,11 @@ def stream_figures(
 
 
 def _window(d: dict[str, float], recs: list[dict[str, Any]], upto: int) -> dict[str, Any]:
-    """One window of completions: the chunk hit rate (1 - misses / lookups, /metrics) and
-    the token reuse rate (prompt tokens not computed: SGLang's cached prefix, plus chunk
-    tokens reused without recomputation)."""
+    """One window of completions: the chunk hit rate (1 - misses / lookups, /metrics; a
+    miss store admission deferred is a miss) and the token reuse rate (prompt tokens not
+    computed: SGLang's cached prefix, plus chunk tokens reused without recomputation)."""
     lookups = metric(d, "sgl_pic_chunk_lookups_total")
-    misses = metric(d, "sgl_pic_chunk_misses_total")
+    misses = metric(d, "sgl_pic_chunk_misses_total") + metric(d, "sgl_pic_chunk_deferred_total")
     prompt = sum(r["prompt"] for r in recs)
     not_computed = sum(r["cached"] for r in recs) + metric(d, "sgl_pic_reused_tokens_total")
     return {
@@ -256,6 +256,8 @@ def pic_figures(d: dict[str, float]) -> dict[str, Any]:
     encoded = metric(d, "sgl_pic_encoded_tokens_total")
     recomputed = metric(d, "sgl_pic_recomputed_tokens_total")
     reused = metric(d, "sgl_pic_reused_tokens_total")
+    misses = metric(d, "sgl_pic_chunk_misses_total")
+    deferred = metric(d, "sgl_pic_chunk_deferred_total")
     forwards = {
         p: {
             "forwards": metric(d, "sgl_pic_phase_forwards_total", phase=p),
@@ -275,9 +277,9 @@ def pic_figures(d: dict[str, float]) -> dict[str, Any]:
         "missed_tokens_computed_twice": encoded + recomputed + reused - new,
         "phase_forwards": forwards,
         "chunk_lookups": lookups,
-        "chunk_hit_rate": None
-        if not lookups
-        else 1 - metric(d, "sgl_pic_chunk_misses_total") / lookups,
+        "chunk_hit_rate": None if not lookups else 1 - (misses + deferred) / lookups,
+        # Misses computed in context only, not stored (--pic-admission).
+        "deferred_chunks": deferred,
         "device_prefix_chunks": metric(d, "sgl_pic_chunk_device_prefix_total"),
         "reused_tokens": metric(d, "sgl_pic_reused_tokens_total"),
         "recomputed_fraction": None

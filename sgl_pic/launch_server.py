@@ -15,6 +15,7 @@ from sgl_pic.config import MTAF_NAMES, PicConfig
 from sgl_pic.integration.chat_chunks import AUTO_CHUNK_ROLES
 from sgl_pic.integration.layer_feed import FEED_MODES
 from sgl_pic.registry import POLICIES
+from sgl_pic.store.admission import ADMISSION_MODES
 from sgl_pic.store.eviction import EVICTION_POLICIES
 
 PIC_FLAGS: dict[str, str] = {
@@ -85,6 +86,13 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         choices=EVICTION_POLICIES,
         default="gdsf",
         help="eviction order of chunk nodes, host and disk tiers (gdsf: recency, hits, size)",
+    )
+    g.add_argument(
+        "--pic-admission",
+        choices=ADMISSION_MODES,
+        default="adaptive",
+        help="store a missed chunk on first sight (always), on second sight (second_sight), "
+        "or on second sight while few first-seen chunks come back (adaptive)",
     )
     g.add_argument(
         "--pic-calibrate",
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         else ns.pic_disk_cache_dir,
         disk_cache_mb=ns.pic_disk_cache_mb,
         eviction=ns.pic_eviction,
+        admission=ns.pic_admission,
         calibrate=ns.pic_calibrate,
         feed_mode=ns.pic_feed_mode,
         feed_timeout_s=ns.pic_feed_timeout_s,

@@ -39,6 +39,7 @@ def test_disable_serves_plain_sglang() -> None:
         {"host_cache_mb": -1},
         {"feed_mode": "cuda"},
         {"eviction": "mru"},
+        {"admission": "never"},
         {"calibrate": True, "host_cache_mb": 0, "disk_cache_dir": ""},
     ],
 )
@@ -61,3 +62,11 @@ def test_eviction_policy_reaches_the_settings() -> None:
     assert PicServerSettings(PicConfig(), eviction=ns.pic_eviction).eviction == "lru"
     with pytest.raises(SystemExit):
         build([*MODEL, "--pic-eviction", "mru"])
+
+
+def test_admission_mode_reaches_the_settings() -> None:
+    assert build(MODEL)[1].pic_admission == "adaptive"
+    _, ns, _ = build([*MODEL, "--pic-admission", "second_sight"])
+    assert PicServerSettings(PicConfig(), admission=ns.pic_admission).admission == "second_sight"
+    with pytest.raises(SystemExit):
+        build([*MODEL, "--pic-admission", "never"])

@@ -9,7 +9,10 @@ lookup:  each chunk past the device prefix is looked up in the chunk nodes (devi
          then host memory and disk. Device hits are copied into the request's own slots
          and re-rotated to the chunk's position (the node stays as it was); lower-tier
          hits are loaded during phase 2.
-phase 1: chunks found nowhere run as sub-requests from position 0 over their own slots
+admission: a chunk found nowhere is stored, or, when store admission defers it
+         (``sgl_pic.store.admission``: seen for the first time in a stream where first
+         sights seldom come back), computed in context in phase 2 like fresh text.
+phase 1: chunks found nowhere and admitted run as sub-requests from position 0 over their own slots
          (scratch rows of SGLang's request table), so their KV is the independent chunk
          KV; it is copied into new chunk nodes, written through to the host tier, and its
          keys are re-rotated in place to the chunk's position.
@@ -47,6 +50,7 @@ from sgl_pic.integration.promoter import Promoter
 from sgl_pic.integration.query_probe import ProbeCut, QueryProbe
 from sgl_pic.selection import cachetune_ranking, make_policy
 from sgl_pic.selection.query_aware import query_positions
+from sgl_pic.store.admission import StoreAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,8 @@ class ChunkExecutor:
     feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder").
     feed_timeout_s: longest wait for one layer of lower-tier KV (``FeedTimeout`` past it).
     merge_gap: phase-2 runs separated by at most this many tokens are merged.
+    admission: whether a chunk found nowhere is stored (phase 1) or computed in context;
+               None stores every one.
     reduce:    sums a device tensor over the tensor-parallel ranks, so that signals computed
                from each rank's own heads (CacheBlend's deviation, the query probe) select
                the same tokens everywhere; None on one rank."""
@@ -85,6 +91,7 @@ class ChunkExecutor:
         feed_mode: str = "threaded",
         feed_timeout_s: float = 30.0,
         merge_gap: int = 0,
+        admission: StoreAdmission | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.config = settings_config
@@ -97,6 +104,7 @@ class ChunkExecutor:
         self.feed_mode = feed_mode
         self.feed_timeout_s = feed_timeout_s
         self.merge_gap = merge_gap
+        self.admission = admission
         self.reduce = reduce
         # Chunked requests of the batch being forwarded, by SGLang request id: set when the
         # batch is prepared (``plugin._after_prepare_for_extend``), emptied by ``forward``.
@@ -186,6 +194,8 @@ class ChunkExecutor:
             assert plan.stats is not None
             self.metrics.record(plan.stats)
         self.metrics.node_tokens.set(self.nodes.allocated_tokens)
+        if self.admission is not None:
+            self.metrics.admission_reuse_rate.set(self.admission.reuse_rate)
         evictions = {"device": self.nodes.evicted_nodes}
         if self.lower is not None:
             evictions["host"] = self.lower.store.host.stats().evictions
@@ -219,7 +229,8 @@ class ChunkExecutor:
         request reads is evicted under it. ``keep``: when the device prefix ends inside the
         chunk, its first position past the prefix; only a device copy serves then (its
         rows from ``keep`` on; the prefix's slots are shared and stay as they are), since
-        host and disk loads place whole chunks."""
+        host and disk loads place whole chunks. A miss says whether store admission lets
+        phase 1 store it."""
         keep = start if keep is None else keep
         chunk_ids = plan.pending.token_ids[start:end]
         if chunk_ids in self.promoter:
@@ -228,6 +239,7 @@ class ChunkExecutor:
             self.promoter.finish(chunk_ids, self.feed_timeout_s)
         hit = self.nodes.match(chunk_ids)
         if hit is not None:
+            self._sighted(chunk_ids, stored=True)
             self.nodes.lock(hit.nodes)
             plan.locked_nodes.extend(hit.nodes)
             # Rows keep - start.. hold keys at those chunk positions: moving them by
@@ -235,16 +247,24 @@ class ChunkExecutor:
             kv = self.kv.read(hit.slots[keep - start :])
             self.kv.write_rotated(self._slots(plan, keep, end), kv, start)
             return ChunkLookup("device", hit.ranking)
-        if self.lower is None or keep > start:
-            return ChunkLookup(None, None)
-        lower = self.lower.match(chunk_ids)
+        if keep > start:
+            return ChunkLookup(None, None)  # recomputed in context whatever admission says
+        lower = self.lower.match(chunk_ids) if self.lower is not None else None
         if lower is None:
-            return ChunkLookup(None, None)
+            return ChunkLookup(None, None, self._sighted(chunk_ids, stored=False))
+        assert self.lower is not None
+        self._sighted(chunk_ids, stored=True)
         for k in lower.keys:
             if self.lower.store.lock(k.digest):
                 plan.locked_keys.append(k.digest)
         plan.lower.append((start, end, lower))
         return ChunkLookup(lower.tier, lower.ranking)
+
+    def _sighted(self, chunk_ids: tuple[int, ...], stored: bool) -> bool:
+        """Tells store admission of one lookup; whether a miss is stored."""
+        if self.admission is None:
+            return True
+        return self.admission.lookup(hash(chunk_ids), stored)
 
     # ----------------------------------------------------------------- phase 1
     def _phase1(self, stack: Stack, live: Any, plans: dict[int, RequestPlan]) -> None:
@@ -514,7 +534,9 @@ class ChunkExecutor:
         row = 0
         for b, plan in plans.items():
             idx = torch.cat([torch.arange(a, z) for a, z in runs[b]])  # host: planning
-            queries = query_positions(plan.layout, plan.prefix)
+            # The question's queries, not a deferred chunk's: it is fresh text in
+            # ``plan.layout`` but content, not what the answer asks about.
+            queries = query_positions(plan.pending.request.layout, plan.prefix)
             rows = row + torch.searchsorted(idx, queries)
             probes[b] = QueryProbe(
                 self.kv.pool, self._slots(plan), rows, queries, layers, self.reduce

@@ -33,6 +33,7 @@ class RequestStats(NamedTuple):
     shared_hits: int = 0  # ... in the shared tier (--pic-shared-store)
     prefix_hit_tokens: int = 0  # DARIC's L_hit = max(L_gpu, L_cont)
     encoded_tokens: int = 0  # tokens of the missed chunks, computed on their own in phase 1
+    deferred: int = 0  # missed chunks store admission did not store (computed in context)
 
 
 class PicMetrics:
@@ -56,6 +57,17 @@ class PicMetrics:
             "sgl_pic_chunk_device_prefix", "Chunks inside the device prefix (never recomputed)"
         )
         self.misses = Counter("sgl_pic_chunk_misses", "Chunks computed independently")
+        self.deferred = Counter(
+            "sgl_pic_chunk_deferred",
+            "Missed chunks not stored: computed in context like fresh text, because store "
+            "admission waits for a second sight (--pic-admission)",
+        )
+        self.admission_reuse_rate = Gauge(
+            "sgl_pic_admission_reuse_rate",
+            "Share of recently first-seen chunks that were seen again (store admission's "
+            "signal: below its threshold, adaptive admission stores only second sights)",
+            multiprocess_mode="mostrecent",
+        )
         self.encoded = Counter(
             "sgl_pic_encoded_tokens",
             "Tokens of missed chunks computed on their own (phase 1); phase 2 may recompute "
@@ -201,6 +213,7 @@ class PicMetrics:
         self.hits.labels(kind="disjoint").inc(s.disjoint_hits)
         self.device_prefix.inc(s.device_prefix_chunks)
         self.misses.inc(s.misses)
+        self.deferred.inc(s.deferred)
         self.encoded.inc(s.encoded_tokens)
         self.reused.inc(s.reused_tokens)
         self.recomputed.inc(s.recomputed_tokens)

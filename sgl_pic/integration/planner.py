@@ -41,6 +41,8 @@ class RequestPlan:
     rankings: list[torch.Tensor | None] = field(default_factory=list)  # per chunk
     hit_spans: list[tuple[int, int]] = field(default_factory=list)  # chunks reused
     misses: list[tuple[int, int]] = field(default_factory=list)  # chunks for phase 1
+    # Misses store admission did not store: computed in context, as fresh text.
+    deferred: list[tuple[int, int]] = field(default_factory=list)
     lower: list[tuple[int, int, Any]] = field(default_factory=list)  # host/disk hits
     # Host/disk hits already loaded whole (CacheBlend's pass needs them all in the pool).
     loaded_whole: list[tuple[int, int, Any]] = field(default_factory=list)
@@ -48,10 +50,14 @@ class RequestPlan:
     locked_keys: list[str] = field(default_factory=list)  # lower-tier records in use
     tiers: set[str] = field(default_factory=set)  # tiers the reused chunks came from
     runs: int = 0  # contiguous runs phase 2 executes as sub-requests
+    fresh_layout: PromptLayout | None = None  # the layout with deferred chunks as fresh text
 
     @property
     def layout(self) -> PromptLayout:
-        return self.pending.request.layout
+        """The layout selection and the phases work from: the request's, with the chunks
+        store admission deferred turned into fresh text (nothing of theirs is reused, so
+        every token of theirs is computed). ``classify`` sets it; ``rankings`` follow it."""
+        return self.fresh_layout or self.pending.request.layout
 
     @property
     def num_tokens(self) -> int:
@@ -60,10 +66,12 @@ class RequestPlan:
 
 class ChunkLookup(NamedTuple):
     """Where chunk [start, end) is reused from: a tier name, or None on a miss, plus its
-    stored ranking (# [end - start], None when the store has none)."""
+    stored ranking (# [end - start], None when the store has none). ``admit``: on a miss,
+    whether phase 1 encodes and stores it (False: it is computed in context instead)."""
 
     tier: str | None
     ranking: torch.Tensor | None
+    admit: bool = True
 
 
 def classify(
@@ -71,12 +79,13 @@ def classify(
     lookup: Callable[[int, int], ChunkLookup],
     lookup_tail: Callable[[int, int, int], ChunkLookup] | None = None,
 ) -> None:
-    """Fills the plan's rankings, hits, misses, forced positions and stats. ``lookup`` is
-    called once per chunk past the device prefix, in prompt order; ``lookup_tail(start,
-    end, prefix)`` once for the chunk the device prefix ends inside, whose positions from
-    the prefix on may be reused from the chunk's device copy (a hit) or are recomputed (a
-    miss, or no ``lookup_tail``)."""
-    layout = plan.layout
+    """Fills the plan's rankings, hits, misses, deferred chunks, forced positions and
+    stats. ``lookup`` is called once per chunk past the device prefix, in prompt order;
+    ``lookup_tail(start, end, prefix)`` once for the chunk the device prefix ends inside,
+    whose positions from the prefix on may be reused from the chunk's device copy (a hit)
+    or are recomputed (a miss, or no ``lookup_tail``). A miss not admitted is deferred:
+    forced, and fresh text in ``plan.layout`` from here on."""
+    layout = plan.pending.request.layout
     device = contiguous = disjoint = reused = 0
     by_tier = dict.fromkeys(TIERS, 0)
     forced: list[torch.Tensor] = []
@@ -102,6 +111,11 @@ def classify(
                 continue
         else:
             hit = lookup(span.start, span.end)
+        if hit.tier is None and not hit.admit:
+            forced.append(torch.arange(span.start, span.end))  # host: planning
+            plan.deferred.append((span.start, span.end))
+            seen_miss = True
+            continue
         plan.rankings.append(hit.ranking)
         if hit.tier is None:
             plan.misses.append((span.start, span.end))
@@ -131,7 +145,11 @@ def classify(
         disk_hits=by_tier["disk"],
         shared_hits=by_tier["shared"],
         prefix_hit_tokens=max(plan.prefix, l_cont),
+        deferred=len(plan.deferred),
     )
+    if plan.deferred:
+        kept = tuple(s for s in layout.chunks if (s.start, s.end) not in plan.deferred)
+        plan.fresh_layout = PromptLayout(layout.num_tokens, kept)
     none = torch.empty(0, dtype=torch.int64)  # host: planning
     plan.forced = torch.cat(forced) if forced else none
 

@@ -68,6 +68,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.integration.phases import PhaseRunner
     from sgl_pic.integration.settings import PicServerSettings
     from sgl_pic.integration.spans import MarkSigner
+    from sgl_pic.store.admission import StoreAdmission
 
     settings = PicServerSettings.from_env()
     vocab_size = int(ctx.model_config.vocab_size)
@@ -140,6 +141,7 @@ def build_tree_cache(ctx: Any) -> Any:
         feed_mode=settings.feed_mode,
         feed_timeout_s=settings.feed_timeout_s,
         merge_gap=settings.merge_gap,
+        admission=StoreAdmission(settings.admission),
         reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
     )
     if shutdown is not None:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from sgl_pic.config import PicConfig
 from sgl_pic.integration.chat_chunks import parse_roles
 from sgl_pic.integration.layer_feed import FEED_MODES
+from sgl_pic.store.admission import check_mode
 from sgl_pic.store.eviction import check_policy
 
 ENV_VAR = "SGLPIC_SETTINGS"  # not SGL_*: SGLang claims that prefix
@@ -49,6 +50,11 @@ class PicServerSettings:
                           (recency, hits and size: a stream of novel chunks does not push
                           out the ones in steady use), "lru" or "lfu"
                           (``sgl_pic.store.eviction``).
+    admission:            whether a chunk found in no tier is stored on first sight:
+                          "always", "second_sight" (computed in context, stored when seen
+                          again), or "adaptive" (second sight while few first-seen chunks
+                          come back, as in a stream of novel documents;
+                          ``sgl_pic.store.admission``).
     refused:              why chunk reuse is refused for this launch (a model that failed
                           ``--pic-check``); every request then runs as exact prefill. ''
                           when reuse is allowed.
@@ -72,6 +78,7 @@ class PicServerSettings:
     shared_store: str = ""
     auto_chunk: str = ""
     eviction: str = "gdsf"
+    admission: str = "adaptive"
     refused: str = ""
     secret: str = field(default="", repr=False)
 
@@ -83,6 +90,7 @@ class PicServerSettings:
         if self.host_cache_mb < 0 or self.disk_cache_mb < 0:
             raise ValueError("host_cache_mb and disk_cache_mb must be >= 0")
         check_policy(self.eviction)
+        check_mode(self.admission)
         if self.feed_mode not in FEED_MODES:
             raise ValueError(
                 f"unknown feed_mode {self.feed_mode!r}; valid: {', '.join(FEED_MODES)}"

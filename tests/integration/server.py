@@ -40,11 +40,16 @@ class Server:
 @contextmanager
 def launch(*args: str, preexec: Any = None) -> Iterator[Server]:
     """A healthy server with ``args``; unless they name one, its disk tier is a fresh
-    temporary directory, so no test sees chunks another test (or a user) cached."""
+    temporary directory, so no test sees chunks another test (or a user) cached, and it
+    stores every missed chunk (``--pic-admission always``): tests of what a miss does must
+    not depend on how many novel chunks the tests before them sent, which adaptive
+    admission reads (it has tests of its own, ``test_admission.py``)."""
     extra = (
         []
         if "--pic-disk-cache-dir" in args
         else ["--pic-disk-cache-dir", tempfile.mkdtemp(prefix="sgl_pic_disk_")]
     )
+    if "--pic-admission" not in args:
+        extra += ["--pic-admission", "always"]
     with server_process([*args, *extra], STARTUP_TIMEOUT_S, preexec) as proc:
         yield Server(proc.url, proc.log_path)

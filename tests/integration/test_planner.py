@@ -162,3 +162,33 @@ def test_runs_are_merged_until_the_phase_batch_fits() -> None:
     assert runs[0] == [(1, 10), (19, 20)] and merges.n == 1
     assert plan.selected.tolist() == [*range(1, 10), 19]
     assert plan.stats is not None and plan.stats.recomputed_tokens == 10
+
+
+def test_a_deferred_miss_is_fresh_text_computed_whole() -> None:
+    # Chunks [0,4) [4,8) [8,12); [4,8) missed and store admission deferred it: it is not
+    # for phase 1, it is forced whole, and selection sees it as fresh text.
+    plan = _plan(spans=[[0, 4], [4, 8], [8, 12]], n=16, policy="epic", overrides={"epic_k": 1})
+    answers = {
+        (0, 4): ChunkLookup("device", torch.ones(4)),
+        (4, 8): ChunkLookup(None, None, admit=False),
+        (8, 12): ChunkLookup("device", torch.zeros(4)),
+    }
+    planner.classify(plan, lambda s, e: answers[(s, e)])
+    assert plan.misses == [] and plan.deferred == [(4, 8)]
+    assert plan.forced is not None and plan.forced.tolist() == [4, 5, 6, 7]
+    assert [(c.start, c.end) for c in plan.layout.chunks] == [(0, 4), (8, 12)]
+    assert [(c.start, c.end) for c in plan.pending.request.layout.chunks] == [
+        (0, 4),
+        (4, 8),
+        (8, 12),
+    ]
+    assert len(plan.rankings) == 2 and plan.rankings[1] is answers[(8, 12)].ranking
+    s = plan.stats
+    assert s is not None
+    assert (s.deferred, s.misses, s.contiguous_hits, s.disjoint_hits) == (1, 0, 1, 1)
+    assert s.reused_tokens == 8  # the two hits; the deferred chunk reuses nothing
+    sel = planner.select(plan, lambda: torch.zeros(16))
+    # EPIC's first token of the reused chunk after position 0, the deferred chunk whole,
+    # and the fresh tail.
+    assert sel.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
+    assert plan.stats is not None and plan.stats.reused_tokens == 8 - 1

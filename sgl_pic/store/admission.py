@@ -1,0 +1,106 @@
+"""Whether a chunk found in no tier is stored the first time it is seen.
+
+Storing a missed chunk costs more than computing it: its tokens run once on their own
+(phase 1, for the position-independent KV the tiers keep) and the selected ones run again
+in context (phase 2), where a chunk computed in context alone runs each token once. The
+extra work pays off only if the chunk comes back. In a RAG stream with a churn of novel
+documents most first sights never do (LMCache #4663: reuse decays to ~1x as novel chunks
+flood the cache); in agent sessions nearly every first sight does (history turns and memory
+are sent again next turn).
+
+TinyLFU's doorkeeper (Einziger et al., 2017) admits an item on its second sight. Used
+always, it would make every agent turn pay a full extra encode for what comes back anyway,
+so the ``adaptive`` mode measures the stream instead: over a bounded window of recently
+first-seen chunks, the share that was seen again (``reuse_rate``). While that share is at
+least ``min_reuse`` (or fewer than ``warmup`` first sights have been seen) a first sight is
+stored; below it, only second sights are. A deferred chunk is computed in context like
+fresh text: exact for the request, and nothing evicted for it.
+
+Decisions depend only on the sequence of lookups, so tensor-parallel ranks, which see the
+same batches, decide alike. Keys are the chunk's token tuple hash: a collision can only
+change an admission decision, never which KV is reused (the tiers key by strong hashes).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+ADMISSION_MODES: tuple[str, ...] = ("always", "second_sight", "adaptive")
+
+
+class AdmissionStats(NamedTuple):
+    first_sights: int  # first sights in the window
+    seen_again: int  # of those, chunks looked up again since
+    deferred: int  # misses not stored, since start
+    reuse_rate: float  # seen_again / first_sights (1.0 before any)
+
+
+class StoreAdmission:
+    """mode:      "always" (store every miss), "second_sight" (TinyLFU's doorkeeper), or
+                  "adaptive" (the doorkeeper while few first sights come back).
+    min_reuse:    adaptive: the doorkeeper is on while ``reuse_rate`` is below this.
+    warmup:       adaptive: first sights in the window before the rate is trusted.
+    window:       first sights remembered, oldest forgotten first (in order of first sight,
+                  not of last use: a chunk in steady use leaves the window like any other,
+                  and comes back in as seen again at its next lookup, being stored)."""
+
+    def __init__(
+        self, mode: str = "adaptive", min_reuse: float = 0.5, warmup: int = 64, window: int = 1024
+    ) -> None:
+        check_mode(mode)
+        if not 0.0 <= min_reuse <= 1.0:
+            raise ValueError(f"min_reuse must be in [0, 1], got {min_reuse}")
+        if warmup < 0 or window < 1:
+            raise ValueError(f"warmup must be >= 0 and window >= 1, got {warmup}, {window}")
+        self.mode = mode
+        self.min_reuse = min_reuse
+        self.warmup = warmup
+        self.window = window
+        self._seen: OrderedDict[int, bool] = OrderedDict()  # key -> seen again since
+        self._seen_again = 0
+        self._deferred = 0
+
+    def lookup(self, key: int, stored: bool) -> bool:
+        """Records one lookup of chunk ``key`` (``stored``: some tier held it) and returns
+        whether a miss is to be stored; a stored chunk returns True. Call once per chunk
+        lookup, in prompt order."""
+        again = self._seen.get(key)
+        if again is None:
+            # A stored chunk never seen here (a restart's disk tier, another server's
+            # shared store, or forgotten by the window) has been seen before by definition.
+            self._remember(key, stored)
+            if stored or self._store_first_sight():
+                return True
+            self._deferred += 1
+            return False
+        if not again:
+            self._seen[key] = True
+            self._seen_again += 1
+        return True
+
+    @property
+    def reuse_rate(self) -> float:
+        return self._seen_again / len(self._seen) if self._seen else 1.0
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(len(self._seen), self._seen_again, self._deferred, self.reuse_rate)
+
+    def _store_first_sight(self) -> bool:
+        if self.mode == "always":
+            return True
+        if self.mode == "second_sight":
+            return False
+        return len(self._seen) <= self.warmup or self.reuse_rate >= self.min_reuse
+
+    def _remember(self, key: int, again: bool) -> None:
+        self._seen[key] = again
+        self._seen_again += again
+        while len(self._seen) > self.window:
+            _, old = self._seen.popitem(last=False)
+            self._seen_again -= old
+
+
+def check_mode(mode: str) -> None:
+    if mode not in ADMISSION_MODES:
+        raise ValueError(f"unknown admission mode {mode!r}; valid: {', '.join(ADMISSION_MODES)}")

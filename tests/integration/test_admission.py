@@ -1,0 +1,88 @@
+"""Store admission through the server: with ``--pic-admission second_sight`` a missed
+chunk is computed in context on its first sight and stored on its second; the modes'
+decisions are unit-tested in ``tests/store/test_admission.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.prompts import body, ids
+from tests.integration.server import Server, launch
+
+pytestmark = pytest.mark.sglang
+
+KEYS = (
+    "sgl_pic_chunk_lookups_total",
+    "sgl_pic_chunk_deferred_total",
+    "sgl_pic_chunk_misses_total",
+    "sgl_pic_encoded_tokens_total",
+    'sgl_pic_chunk_hits_total{kind="contiguous"}',
+    'sgl_pic_chunk_hits_total{kind="disjoint"}',
+    "sgl_pic_recomputed_tokens_total",
+    "sgl_pic_new_tokens_total",
+    'sgl_pic_phase_forwards_total{phase="phase1"}',
+    "sgl_pic_failures_total",
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with launch("--pic-admission", "second_sight") as s:
+        yield s
+
+
+def _prompt(docs: list[str], question: str) -> tuple[list[int], list[list[int]]]:
+    toks, spans = ids("Notes.\n"), []
+    for doc in docs:
+        spans.append([len(toks), len(toks) + len(ids(doc))])
+        toks += ids(doc)
+    return toks + ids(f"Question: {question}\nAnswer:"), spans
+
+
+def _send(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
+    before = server.metrics()
+    r = server.generate(req)
+    assert r.status_code == 200, r.text
+    after = server.metrics()
+    return r.json(), {k: after.get(k, 0.0) - before.get(k, 0.0) for k in KEYS}
+
+
+def test_a_chunk_is_stored_on_its_second_sight(server: Server) -> None:
+    # Distinct first words: no order of them shares a device prefix past "Notes.".
+    docs = [
+        "Heron log: the Varn light blinks 4 times a minute.\n",
+        "Tide table: high water at Varn is at noon.\n",
+        "Ferry notice: the Varn boat sails at dawn.\n",
+    ]
+    toks, spans = _prompt(docs, "How often does it blink?")
+    _, d = _send(server, body(toks, spans, n=2))
+    # First sight: all computed in context, nothing encoded on its own or stored.
+    assert (d["sgl_pic_chunk_lookups_total"], d["sgl_pic_chunk_deferred_total"]) == (3, 3)
+    assert d["sgl_pic_chunk_misses_total"] == d["sgl_pic_encoded_tokens_total"] == 0
+    assert d['sgl_pic_phase_forwards_total{phase="phase1"}'] == 0
+    assert d["sgl_pic_recomputed_tokens_total"] == d["sgl_pic_new_tokens_total"]
+    # Second sight, in another order: stored.
+    toks, spans = _prompt(docs[::-1], "When does the boat sail?")
+    _, d = _send(server, body(toks, spans, n=2))
+    assert d["sgl_pic_chunk_deferred_total"] == 0 and d["sgl_pic_chunk_misses_total"] == 3
+    assert d["sgl_pic_encoded_tokens_total"] == sum(e - s for s, e in spans)
+    # Third, in a third order: all hit.
+    toks, spans = _prompt([docs[1], docs[0], docs[2]], "When is high water?")
+    _, d = _send(server, body(toks, spans, n=2))
+    hits = d['sgl_pic_chunk_hits_total{kind="contiguous"}']
+    hits += d['sgl_pic_chunk_hits_total{kind="disjoint"}']
+    assert hits == 3 and d["sgl_pic_chunk_misses_total"] == 0
+    assert d["sgl_pic_failures_total"] == 0
+
+
+def test_a_request_of_deferred_chunks_answers_as_exact_prefill(server: Server) -> None:
+    # Nothing reused: every token is computed in context, so the answer is plain
+    # prefill's (the same tokens without marks run as SGLang's own extend).
+    docs = ["Otter census: 41 otters were counted at Brenn.\n", "Weather: rain all week.\n"]
+    toks, spans = _prompt(docs, "How many otters were counted?")
+    out, d = _send(server, body(toks, spans, n=16))
+    assert d["sgl_pic_chunk_deferred_total"] == 2
+    plain, _ = _send(server, body(toks, None, n=16))
+    assert out["output_ids"] == plain["output_ids"]
