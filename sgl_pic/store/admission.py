@@ -14,7 +14,8 @@ so the ``adaptive`` mode measures the stream instead: over a bounded window of r
 first-seen chunks, the share that was seen again (``reuse_rate``). While that share is at
 least ``min_reuse`` (or fewer than ``warmup`` first sights have been seen) a first sight is
 stored; below it, only second sights are. A deferred chunk is computed in context like
-fresh text: exact for the request, and nothing evicted for it.
+fresh text: every token of it computed in context, as plain prefill would, and nothing
+evicted for it.
 
 Decisions depend only on the sequence of lookups, so tensor-parallel ranks, which see the
 same batches, decide alike. Keys are the chunk's token tuple hash: a collision can only
