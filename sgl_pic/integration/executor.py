@@ -152,6 +152,10 @@ class ChunkExecutor:
         if not specs:
             return None
 
+        # Each attempt looks its chunks up again: admission takes back what a failed one
+        # recorded (``StoreAdmission.snapshot``), so that a batch's lookups count once.
+        admitted = self.admission.snapshot() if self.admission is not None else None
+        done = False
         for attempt in range(2):
             plans = {b: RequestPlan(*spec) for b, spec in specs.items()}
             t0 = time.perf_counter()
@@ -164,6 +168,7 @@ class ChunkExecutor:
                 t2 = time.perf_counter()
                 with single_thread():
                     self._promote(plans)
+                done = True
                 break
             except MissingChunkError:
                 # A host/disk record failed its checks mid-load; the store has counted and
@@ -181,6 +186,9 @@ class ChunkExecutor:
                 if self.lower is not None:
                     self.metrics.record_store_errors(self.lower.store.stats().errors)
                     self.lower.export_stats(self.metrics)
+                if not done and admitted is not None and self.admission is not None:
+                    # Failed: retried, or rerun as plain prefill by the plugin.
+                    self.admission.restore(admitted)
         logger.info(
             "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
             "select+phase 2 %.3f s, recomputed %s in %s run(s)",

@@ -18,8 +18,10 @@ fresh text: every token of it computed in context, as plain prefill would, and n
 evicted for it.
 
 Decisions depend only on the sequence of lookups, so tensor-parallel ranks, which see the
-same batches, decide alike. Keys are the chunk's token tuple hash: a collision can only
-change an admission decision, never which KV is reused (the tiers key by strong hashes).
+same batches, decide alike. Chunks inside SGLang's device prefix are not looked up, so
+they are not counted: the rate is that of the comebacks a stored chunk would serve. Keys
+are the chunk's token tuple hash: a collision can only change an admission decision, never
+which KV is reused (the tiers key by strong hashes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 ADMISSION_MODES: tuple[str, ...] = ("always", "second_sight", "adaptive")
+
+
+class AdmissionState(NamedTuple):
+    """What ``StoreAdmission.restore`` puts back (``StoreAdmission.snapshot``)."""
+
+    seen: OrderedDict[int, bool]
+    seen_again: int
+    deferred: int
 
 
 class AdmissionStats(NamedTuple):
@@ -83,6 +93,16 @@ class StoreAdmission:
     @property
     def reuse_rate(self) -> float:
         return self._seen_again / len(self._seen) if self._seen else 1.0
+
+    def snapshot(self) -> AdmissionState:
+        """The state now, for ``restore``: a batch that is retried, or falls back to plain
+        prefill, takes back the lookups it recorded, so that its retry decides as its first
+        attempt did and a chunk nothing was stored for is not taken as seen twice."""
+        return AdmissionState(OrderedDict(self._seen), self._seen_again, self._deferred)
+
+    def restore(self, state: AdmissionState) -> None:
+        self._seen = OrderedDict(state.seen)
+        self._seen_again, self._deferred = state.seen_again, state.deferred
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(len(self._seen), self._seen_again, self._deferred, self.reuse_rate)

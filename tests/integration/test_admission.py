@@ -33,8 +33,10 @@ def server() -> Iterator[Server]:
         yield s
 
 
-def _prompt(docs: list[str], question: str) -> tuple[list[int], list[list[int]]]:
-    toks, spans = ids("Notes.\n"), []
+def _prompt(
+    docs: list[str], question: str, head: str = "Notes.\n"
+) -> tuple[list[int], list[list[int]]]:
+    toks, spans = ids(head), []
     for doc in docs:
         spans.append([len(toks), len(toks) + len(ids(doc))])
         toks += ids(doc)
@@ -86,3 +88,24 @@ def test_a_request_of_deferred_chunks_answers_as_exact_prefill(server: Server) -
     assert d["sgl_pic_chunk_deferred_total"] == 2
     plain, _ = _send(server, body(toks, None, n=16))
     assert out["output_ids"] == plain["output_ids"]
+
+
+@pytest.mark.parametrize("policy", ["query_aware", "cachetune", "cacheblend"])
+def test_a_deferred_chunk_beside_hits_and_stored_misses(server: Server, policy: str) -> None:
+    # One request with a hit, a first sight (deferred) and a second sight (stored): the
+    # probe, phase 1 and CacheBlend's deviation pass all run beside a deferred chunk. Each
+    # request has its own header, so no device prefix reaches a chunk.
+    tag = policy.replace("_", " ")
+    a, c, d = (
+        f"{w} {tag} note: the {w.lower()} rota changes weekly.\n" for w in ["Ash", "Cob", "Dun"]
+    )
+    _send(server, body(*_prompt([a], "What changes?", f"First, {tag}.\n"), n=2))  # a: first sight
+    _send(server, body(*_prompt([a], "What changes?", f"Second, {tag}.\n"), n=2))  # a: stored
+    _send(server, body(*_prompt([d], "Who keeps it?", f"Third, {tag}.\n"), n=2))  # d: first sight
+    req = body(*_prompt([a, c, d], "Which rota?", f"Fourth, {tag}.\n"), n=4, policy=policy)
+    out, dd = _send(server, req)
+    hits = dd['sgl_pic_chunk_hits_total{kind="contiguous"}']
+    hits += dd['sgl_pic_chunk_hits_total{kind="disjoint"}']
+    assert (hits, dd["sgl_pic_chunk_deferred_total"], dd["sgl_pic_chunk_misses_total"]) == (1, 1, 1)
+    assert dd["sgl_pic_failures_total"] == 0  # ran through the chunk path, not the fallback
+    assert len(out["output_ids"]) == 4

@@ -57,3 +57,14 @@ def test_adaptive_window_forgets_oldest_first_sights() -> None:
 def test_bad_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         StoreAdmission(**kwargs)
+
+
+def test_restore_takes_back_the_lookups_since_a_snapshot() -> None:
+    # A batch that is retried decides as its first attempt did, and one that fails does
+    # not leave its chunks counted as seen.
+    adm = StoreAdmission("second_sight")
+    state = adm.snapshot()
+    first = [adm.lookup(k, stored=False) for k in (1, 2, 3)]
+    adm.restore(state)
+    assert [adm.lookup(k, stored=False) for k in (1, 2, 3)] == first == [False] * 3
+    assert adm.stats() == (3, 0, 3, 0.0)
