@@ -3,16 +3,47 @@ runs it in its own process group), and HTTP helpers over it."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import requests
 
+import sgl_pic.integration.metrics as pic_metrics
 from sgl_pic.server_process import log_tail, server_process
 
 STARTUP_TIMEOUT_S = 420.0
+
+
+# The series PicMetrics declares, read from its source so that the test process need not
+# register them: a series absent from /metrics reads 0 only if it is one of these, so a
+# misspelt name fails the test instead of reading 0.
+DECLARED = frozenset(
+    re.findall(
+        r'(?:Counter|Gauge|Histogram)\(\s*"(sgl_pic_\w+)"', Path(pic_metrics.__file__).read_text()
+    )
+)
+
+
+class MetricDeltas(dict[str, float]):
+    """How much each sgl_pic_* series moved; a declared series that never appeared moved
+    by 0."""
+
+    def __missing__(self, key: str) -> float:
+        family = key.split("{", 1)[0]
+        if family.removesuffix("_total") in DECLARED or family in DECLARED:
+            return 0.0
+        raise KeyError(key)
+
+
+class Sent(NamedTuple):
+    """out: the /generate response JSON. delta: what the request moved in /metrics."""
+
+    out: dict[str, Any]
+    delta: MetricDeltas
 
 
 class Server:
@@ -22,6 +53,16 @@ class Server:
 
     def generate(self, body: dict[str, Any]) -> requests.Response:
         return requests.post(self.url + "/generate", json=body, timeout=300)
+
+    def send(self, body: dict[str, Any]) -> Sent:
+        """One /generate request that must answer 200, and the metrics it moved (the
+        server serves one test at a time, so nothing else moves them meanwhile)."""
+        before = self.metrics()
+        r = self.generate(body)
+        assert r.status_code == 200, r.text
+        after = self.metrics()
+        moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in before.keys() | after.keys()}
+        return Sent(r.json(), MetricDeltas(moved))
 
     def metrics(self) -> dict[str, float]:
         """sgl_pic_* series of /metrics (histogram buckets left out)."""

@@ -13,19 +13,6 @@ from tests.integration.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 
-KEYS = (
-    "sgl_pic_chunk_lookups_total",
-    "sgl_pic_chunk_deferred_total",
-    "sgl_pic_chunk_misses_total",
-    "sgl_pic_encoded_tokens_total",
-    'sgl_pic_chunk_hits_total{kind="contiguous"}',
-    'sgl_pic_chunk_hits_total{kind="disjoint"}',
-    "sgl_pic_recomputed_tokens_total",
-    "sgl_pic_new_tokens_total",
-    'sgl_pic_phase_forwards_total{phase="phase1"}',
-    "sgl_pic_failures_total",
-)
-
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
@@ -43,14 +30,6 @@ def _prompt(
     return toks + ids(f"Question: {question}\nAnswer:"), spans
 
 
-def _send(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
-    before = server.metrics()
-    r = server.generate(req)
-    assert r.status_code == 200, r.text
-    after = server.metrics()
-    return r.json(), {k: after.get(k, 0.0) - before.get(k, 0.0) for k in KEYS}
-
-
 def test_a_chunk_is_stored_on_its_second_sight(server: Server) -> None:
     # Distinct first words: no order of them shares a device prefix past "Notes.".
     docs = [
@@ -59,7 +38,7 @@ def test_a_chunk_is_stored_on_its_second_sight(server: Server) -> None:
         "Ferry notice: the Varn boat sails at dawn.\n",
     ]
     toks, spans = _prompt(docs, "How often does it blink?")
-    _, d = _send(server, body(toks, spans, n=2))
+    _, d = server.send(body(toks, spans, n=2))
     # First sight: all computed in context, nothing encoded on its own or stored.
     assert (d["sgl_pic_chunk_lookups_total"], d["sgl_pic_chunk_deferred_total"]) == (3, 3)
     assert d["sgl_pic_chunk_misses_total"] == d["sgl_pic_encoded_tokens_total"] == 0
@@ -67,12 +46,12 @@ def test_a_chunk_is_stored_on_its_second_sight(server: Server) -> None:
     assert d["sgl_pic_recomputed_tokens_total"] == d["sgl_pic_new_tokens_total"]
     # Second sight, in another order: stored.
     toks, spans = _prompt(docs[::-1], "When does the boat sail?")
-    _, d = _send(server, body(toks, spans, n=2))
+    _, d = server.send(body(toks, spans, n=2))
     assert d["sgl_pic_chunk_deferred_total"] == 0 and d["sgl_pic_chunk_misses_total"] == 3
     assert d["sgl_pic_encoded_tokens_total"] == sum(e - s for s, e in spans)
     # Third, in a third order: all hit.
     toks, spans = _prompt([docs[1], docs[0], docs[2]], "When is high water?")
-    _, d = _send(server, body(toks, spans, n=2))
+    _, d = server.send(body(toks, spans, n=2))
     hits = d['sgl_pic_chunk_hits_total{kind="contiguous"}']
     hits += d['sgl_pic_chunk_hits_total{kind="disjoint"}']
     assert hits == 3 and d["sgl_pic_chunk_misses_total"] == 0
@@ -84,9 +63,9 @@ def test_a_request_of_deferred_chunks_answers_as_exact_prefill(server: Server) -
     # prefill's (the same tokens without marks run as SGLang's own extend).
     docs = ["Otter census: 41 otters were counted at Brenn.\n", "Weather: rain all week.\n"]
     toks, spans = _prompt(docs, "How many otters were counted?")
-    out, d = _send(server, body(toks, spans, n=16))
+    out, d = server.send(body(toks, spans, n=16))
     assert d["sgl_pic_chunk_deferred_total"] == 2
-    plain, _ = _send(server, body(toks, None, n=16))
+    plain, _ = server.send(body(toks, None, n=16))
     assert out["output_ids"] == plain["output_ids"]
 
 
@@ -99,11 +78,11 @@ def test_a_deferred_chunk_beside_hits_and_stored_misses(server: Server, policy: 
     a, c, d = (
         f"{w} {tag} note: the {w.lower()} rota changes weekly.\n" for w in ["Ash", "Cob", "Dun"]
     )
-    _send(server, body(*_prompt([a], "What changes?", f"First, {tag}.\n"), n=2))  # a: first sight
-    _send(server, body(*_prompt([a], "What changes?", f"Second, {tag}.\n"), n=2))  # a: stored
-    _send(server, body(*_prompt([d], "Who keeps it?", f"Third, {tag}.\n"), n=2))  # d: first sight
+    server.send(body(*_prompt([a], "What changes?", f"First, {tag}.\n"), n=2))  # a: first sight
+    server.send(body(*_prompt([a], "What changes?", f"Second, {tag}.\n"), n=2))  # a: stored
+    server.send(body(*_prompt([d], "Who keeps it?", f"Third, {tag}.\n"), n=2))  # d: first sight
     req = body(*_prompt([a, c, d], "Which rota?", f"Fourth, {tag}.\n"), n=4, policy=policy)
-    out, dd = _send(server, req)
+    out, dd = server.send(req)
     hits = dd['sgl_pic_chunk_hits_total{kind="contiguous"}']
     hits += dd['sgl_pic_chunk_hits_total{kind="disjoint"}']
     assert (hits, dd["sgl_pic_chunk_deferred_total"], dd["sgl_pic_chunk_misses_total"]) == (1, 1, 1)

@@ -23,14 +23,6 @@ def server() -> Iterator[Server]:
         yield s
 
 
-def _run(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
-    before = server.metrics()
-    r = server.generate(req)
-    assert r.status_code == 200, r.text
-    after = server.metrics()
-    return r.json(), {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-
-
 def test_long_prompt_reuses_chunks_of_its_last_piece(server: Server) -> None:
     # Cache the chunks where they land past the first piece in either order.
     for names in (NAMES, NAMES[::-1]):
@@ -39,8 +31,8 @@ def test_long_prompt_reuses_chunks_of_its_last_piece(server: Server) -> None:
         assert server.generate(body(toks, spans, n=1)).status_code == 200
 
     toks, spans = chunked(NAMES[1:] + NAMES[:1], "Which city is on the equator?", header="Owl.\n")
-    plain, _ = _run(server, body(toks, None))
-    exact, d = _run(server, body(toks, spans, policy="full_recompute"))
+    plain, _ = server.send(body(toks, None))
+    exact, d = server.send(body(toks, spans, policy="full_recompute"))
     # Everything recomputed on top of an exact prefix: SGLang's own output.
     assert exact["output_ids"] == plain["output_ids"]
     assert d["sgl_pic_fallbacks_total"] >= 1  # the pieces before the last
@@ -56,6 +48,6 @@ def test_long_prompt_reuses_chunks_of_its_last_piece(server: Server) -> None:
     # The same order again (the chunk in its last piece is cached now, whether the request
     # above hit or encoded it), another header and question: what is found is reused.
     toks, spans = chunked(NAMES[1:] + NAMES[:1], "Where do rivers meet?", header="Crane.\n")
-    _, d = _run(server, body(toks, spans, policy="full_reuse"))
+    _, d = server.send(body(toks, spans, policy="full_reuse"))
     assert d["sgl_pic_failures_total"] == 0
     assert d["sgl_pic_reused_tokens_total"] > 0

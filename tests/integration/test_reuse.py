@@ -29,29 +29,12 @@ def server() -> Iterator[Server]:
         yield s
 
 
-def _delta(server: Server, req: dict) -> tuple[dict, dict[str, float]]:
-    before = server.metrics()
-    r = server.generate(req)
-    assert r.status_code == 200, r.text
-    after = server.metrics()
-    keys = (
-        CONTIG,
-        DISJOINT,
-        MISSES,
-        ENCODED,
-        "sgl_pic_reused_tokens_total",
-        "sgl_pic_recomputed_tokens_total",
-        "sgl_pic_failures_total",
-    )
-    return r.json(), {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
-
-
 def test_chunks_cached_in_another_order_all_hit(server: Server) -> None:
     toks, spans = chunked(["A", "B", "C"], "Which city is on the equator?")
-    _, d = _delta(server, body(toks, spans))
+    _, d = server.send(body(toks, spans))
     assert d[MISSES] == 3
     assert d[ENCODED] == sum(e - s for s, e in spans)  # phase 1 ran every chunk token
-    out, d = _delta(server, body(*chunked(["C", "B", "A"], "Which city had temples?")))
+    out, d = server.send(body(*chunked(["C", "B", "A"], "Which city had temples?")))
     assert out["meta_info"]["cached_tokens"] == 0  # no device prefix: hits are the store's
     assert d[CONTIG] + d[DISJOINT] == 3
     assert d[MISSES] == 0 and d[ENCODED] == 0
@@ -72,8 +55,8 @@ def test_plain_request_never_reads_chunked_kv(server: Server) -> None:
 
 
 def test_daric_example_reuses_chunk_after_a_miss(server: Server) -> None:
-    _delta(server, body(*chunked(["A", "B", "C"], "Which city is on the equator?")))
-    _, d = _delta(server, body(*chunked(["B", "A", "D", "C"], "Where is the midnight sun?")))
+    server.send(body(*chunked(["A", "B", "C"], "Which city is on the equator?")))
+    _, d = server.send(body(*chunked(["B", "A", "D", "C"], "Where is the midnight sun?")))
     assert (d[CONTIG], d[MISSES], d[DISJOINT]) == (2, 1, 1)
 
 
@@ -88,7 +71,7 @@ def test_last_token_logits_match_oracle(server: Server) -> None:
     toks, spans = chunked(["E", "C", "B"], "Which port has funiculars?", header="Zebra note.\n")
     req = body(toks, spans, n=1, policy="full_reuse")
     req.update(return_logprob=True, top_logprobs_num=8)
-    out, d = _delta(server, req)
+    out, d = server.send(req)
     assert out["meta_info"]["cached_tokens"] == 0
     assert d["sgl_pic_failures_total"] == 0
     top = out["meta_info"]["output_top_logprobs"][0]  # [[logprob, token_id, text], ...]
@@ -136,7 +119,7 @@ def test_a_chunk_the_radix_prefix_cuts_reuses_its_device_copy(server: Server) ->
     r = server.generate(request(head, first)[2])  # leaves head + label as radix prefix
     assert r.status_code == 200, r.text
     toks, spans, req = request(head, second)
-    out, d = _delta(server, req)
+    out, d = server.send(req)
     prefix = len(head) + len(label)
     assert out["meta_info"]["cached_tokens"] == prefix
     assert (d[CONTIG], d[DISJOINT], d[MISSES], d[ENCODED]) == (1, 0, 0, 0)
@@ -176,7 +159,7 @@ def _server_against_oracle(server: Server, toks: list[int], spans: list, **pic: 
 
     req = body(toks, spans, n=1, **pic)
     req.update(return_logprob=True, top_logprobs_num=8)
-    out, d = _delta(server, req)
+    out, d = server.send(req)
     assert out["meta_info"]["cached_tokens"] == 0
     assert d["sgl_pic_failures_total"] == 0
 
