@@ -50,7 +50,7 @@ from sgl_pic.integration.promoter import Promoter
 from sgl_pic.integration.query_probe import ProbeCut, QueryProbe
 from sgl_pic.selection import cachetune_ranking, make_policy
 from sgl_pic.selection.query_aware import query_positions
-from sgl_pic.store.admission import StoreAdmission
+from sgl_pic.store.admission import BatchAdmission, StoreAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class ChunkExecutor:
         self.feed_timeout_s = feed_timeout_s
         self.merge_gap = merge_gap
         self.admission = admission
+        self._batch_admission = BatchAdmission(None)  # the batch under way's (``forward``)
         self.reduce = reduce
         # Chunked requests of the batch being forwarded, by SGLang request id: set when the
         # batch is prepared (``plugin._after_prepare_for_extend``), emptied by ``forward``.
@@ -152,10 +153,33 @@ class ChunkExecutor:
         if not specs:
             return None
 
-        # Each attempt looks its chunks up again: admission takes back what a failed one
-        # recorded (``StoreAdmission.snapshot``), so that a batch's lookups count once.
-        admitted = self.admission.snapshot() if self.admission is not None else None
-        done = False
+        self._batch_admission = BatchAdmission(self.admission)
+        try:
+            hidden = self._attempts(stack, input_ids, live, specs)
+            self.metrics.node_tokens.set(self.nodes.allocated_tokens)
+            if self.admission is not None:
+                self.metrics.admission_reuse_rate.set(self.admission.reuse_rate)
+            evictions = {"device": self.nodes.evicted_nodes}
+            if self.lower is not None:
+                evictions["host"] = self.lower.store.host.stats().evictions
+                evictions["disk"] = self.lower.store.disk.stats().evictions
+            self.metrics.record_evictions(evictions)
+        except BaseException:
+            self._batch_admission.abandon()  # the plugin reruns it as plain prefill
+            raise
+        finally:
+            self._batch_admission = BatchAdmission(None)
+        return hidden
+
+    def _attempts(
+        self,
+        stack: Stack,
+        input_ids: torch.Tensor,  # [n] extend tokens of the live batch
+        live: Any,
+        specs: dict[int, tuple[int, int, int, Pending, PicConfig]],
+    ) -> torch.Tensor:
+        """Runs the batch's chunked requests, a second time if a stored chunk goes bad
+        mid-load; # [n, hidden]."""
         for attempt in range(2):
             plans = {b: RequestPlan(*spec) for b, spec in specs.items()}
             t0 = time.perf_counter()
@@ -168,16 +192,17 @@ class ChunkExecutor:
                 t2 = time.perf_counter()
                 with single_thread():
                     self._promote(plans)
-                done = True
                 break
             except MissingChunkError:
                 # A host/disk record failed its checks mid-load; the store has counted and
                 # dropped it. Every slot the attempt wrote is written again by the next
-                # one, where that chunk misses and is recomputed (and stored afresh).
+                # one, where that chunk misses and, admitted as the stored chunk it was in
+                # this attempt, is recomputed and stored afresh.
                 if attempt:
                     raise
                 logger.warning("sgl_pic: a stored chunk went bad while loading; retrying")
                 self.metrics.retries.inc()
+                self._batch_admission.retry()
             except FeedTimeout:
                 self.metrics.feed_timeouts.inc()
                 raise  # the plugin reruns the batch as exact prefill
@@ -186,9 +211,6 @@ class ChunkExecutor:
                 if self.lower is not None:
                     self.metrics.record_store_errors(self.lower.store.stats().errors)
                     self.lower.export_stats(self.metrics)
-                if not done and admitted is not None and self.admission is not None:
-                    # Failed: retried, or rerun as plain prefill by the plugin.
-                    self.admission.restore(admitted)
         logger.info(
             "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
             "select+phase 2 %.3f s, recomputed %s in %s run(s)",
@@ -201,14 +223,6 @@ class ChunkExecutor:
         for plan in plans.values():
             assert plan.stats is not None
             self.metrics.record(plan.stats)
-        self.metrics.node_tokens.set(self.nodes.allocated_tokens)
-        if self.admission is not None:
-            self.metrics.admission_reuse_rate.set(self.admission.reuse_rate)
-        evictions = {"device": self.nodes.evicted_nodes}
-        if self.lower is not None:
-            evictions["host"] = self.lower.store.host.stats().evictions
-            evictions["disk"] = self.lower.store.disk.stats().evictions
-        self.metrics.record_evictions(evictions)
         return hidden
 
     def close(self) -> None:
@@ -270,9 +284,7 @@ class ChunkExecutor:
 
     def _sighted(self, chunk_ids: tuple[int, ...], stored: bool) -> bool:
         """Tells store admission of one lookup; whether a miss is stored."""
-        if self.admission is None:
-            return True
-        return self.admission.lookup(hash(chunk_ids), stored)
+        return self._batch_admission.lookup(hash(chunk_ids), stored)
 
     # ----------------------------------------------------------------- phase 1
     def _phase1(self, stack: Stack, live: Any, plans: dict[int, RequestPlan]) -> None:

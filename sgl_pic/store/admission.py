@@ -17,11 +17,13 @@ stored; below it, only second sights are. A deferred chunk is computed in contex
 fresh text: every token of it computed in context, as plain prefill would, and nothing
 evicted for it.
 
-Decisions depend only on the sequence of lookups, so tensor-parallel ranks, which see the
-same batches, decide alike. Chunks inside SGLang's device prefix are not looked up, so
-they are not counted: the rate is that of the comebacks a stored chunk would serve. Keys
-are the chunk's token tuple hash: a collision can only change an admission decision, never
-which KV is reused (the tiers key by strong hashes).
+Decisions depend only on the sequence of lookups and on whether a tier held each chunk,
+so tensor-parallel ranks, which see the same batches and store the same chunks, decide
+alike; a failure local to one rank (a bad record on its disk) can set their windows apart,
+as it already sets that batch's work apart. Chunks inside SGLang's device prefix are not
+looked up, so they are not counted: the rate is that of the comebacks a stored chunk would
+serve. Keys are the chunk's token tuple hash: a collision can only change an admission
+decision, never which KV is reused (the tiers key by strong hashes).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class StoreAdmission:
             raise ValueError(f"min_reuse must be in [0, 1], got {min_reuse}")
         if warmup < 0 or window < 1:
             raise ValueError(f"warmup must be >= 0 and window >= 1, got {warmup}, {window}")
+        if mode == "adaptive" and warmup >= window:
+            # The window never holds more than ``window`` first sights: the rate would
+            # never be consulted, and adaptive would silently be "always".
+            raise ValueError(f"warmup ({warmup}) must be below window ({window})")
         self.mode = mode
         self.min_reuse = min_reuse
         self.warmup = warmup
@@ -95,9 +101,9 @@ class StoreAdmission:
         return self._seen_again / len(self._seen) if self._seen else 1.0
 
     def snapshot(self) -> AdmissionState:
-        """The state now, for ``restore``: a batch that is retried, or falls back to plain
-        prefill, takes back the lookups it recorded, so that its retry decides as its first
-        attempt did and a chunk nothing was stored for is not taken as seen twice."""
+        """The state now, for ``restore``: a batch that falls back to plain prefill takes
+        back the lookups it recorded, so that a chunk it stored nothing for is not taken as
+        seen twice at its next lookup (``BatchAdmission.abandon``)."""
         return AdmissionState(OrderedDict(self._seen), self._seen_again, self._deferred)
 
     def restore(self, state: AdmissionState) -> None:
@@ -120,6 +126,38 @@ class StoreAdmission:
         while len(self._seen) > self.window:
             _, old = self._seen.popitem(last=False)
             self._seen_again -= old
+
+
+class BatchAdmission:
+    """One batch's lookups in ``admission`` (None: every miss is stored), counted once
+    however many attempts the batch takes. ``retry`` makes the next attempt replay this
+    attempt's decisions, per chunk in lookup order, without counting them again (its
+    lookups are of the same chunks); ``abandon`` takes back all the batch recorded, for a
+    batch rerun as plain prefill, which looks nothing up."""
+
+    def __init__(self, admission: StoreAdmission | None) -> None:
+        self._admission = admission
+        self._before = admission.snapshot() if admission is not None else None
+        self._recorded: dict[int, list[bool]] = {}  # key -> this attempt's decisions
+        self._replay: dict[int, list[bool]] = {}  # key -> the last attempt's, left to replay
+
+    def lookup(self, key: int, stored: bool) -> bool:
+        """``StoreAdmission.lookup`` for this attempt."""
+        if self._admission is None:
+            return True
+        replay = self._replay.get(key)
+        if replay:
+            return replay.pop(0)
+        admit = self._admission.lookup(key, stored)
+        self._recorded.setdefault(key, []).append(admit)
+        return admit
+
+    def retry(self) -> None:
+        self._replay, self._recorded = self._recorded, {}
+
+    def abandon(self) -> None:
+        if self._admission is not None and self._before is not None:
+            self._admission.restore(self._before)
 
 
 def check_mode(mode: str) -> None:

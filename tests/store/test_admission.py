@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_pic.store.admission import StoreAdmission
+from sgl_pic.store.admission import BatchAdmission, StoreAdmission
 
 
 def test_always_stores_every_miss_and_second_sight_waits_for_one() -> None:
@@ -52,7 +52,15 @@ def test_adaptive_window_forgets_oldest_first_sights() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"mode": "lfu"}, {"min_reuse": 1.5}, {"warmup": -1}, {"window": 0}],
+    [
+        {"mode": "lfu"},
+        {"min_reuse": 1.5},
+        {"warmup": -1},
+        {"window": 0},
+        # The window never holds more first sights than it has room for: such a warm-up
+        # would never end, and adaptive would store every miss.
+        {"warmup": 8, "window": 8},
+    ],
 )
 def test_bad_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -60,11 +68,48 @@ def test_bad_settings_are_refused(kwargs: dict) -> None:
 
 
 def test_restore_takes_back_the_lookups_since_a_snapshot() -> None:
-    # A batch that is retried decides as its first attempt did, and one that fails does
-    # not leave its chunks counted as seen.
+    # A batch that fails does not leave its chunks counted as seen.
     adm = StoreAdmission("second_sight")
     state = adm.snapshot()
     first = [adm.lookup(k, stored=False) for k in (1, 2, 3)]
     adm.restore(state)
     assert [adm.lookup(k, stored=False) for k in (1, 2, 3)] == first == [False] * 3
     assert adm.stats() == (3, 0, 3, 0.0)
+
+
+def test_a_retry_replays_the_first_attempts_decisions_and_counts_nothing_again() -> None:
+    adm = StoreAdmission("second_sight")
+    batch = BatchAdmission(adm)
+    # Two requests of the batch share chunk 1; chunk 3 was on disk.
+    first = [batch.lookup(1, False), batch.lookup(2, False), batch.lookup(1, False)]
+    assert first == [False, False, True] and batch.lookup(3, True)
+    counted = adm.stats()
+    assert counted == (3, 2, 2, 2 / 3)
+    batch.retry()
+    # Chunk 3's record went bad: it misses now, and is stored afresh as it was stored.
+    assert batch.lookup(3, False)
+    assert [batch.lookup(1, False), batch.lookup(2, False), batch.lookup(1, False)] == first
+    assert adm.stats() == counted
+
+
+def test_a_chunk_the_first_attempt_stored_is_not_seen_again_by_the_retry() -> None:
+    adm = StoreAdmission("adaptive")  # in warm-up: a first sight is stored
+    batch = BatchAdmission(adm)
+    assert batch.lookup(7, False)  # stored by the first attempt's phase 1
+    batch.retry()
+    assert batch.lookup(7, True)  # a hit now: still one first sight, not a comeback
+    assert adm.stats() == (1, 0, 0, 0.0)
+
+
+def test_an_abandoned_batch_takes_back_its_lookups_and_no_admission_stores_all() -> None:
+    adm = StoreAdmission("second_sight")
+    adm.lookup(1, False)
+    before = adm.stats()
+    batch = BatchAdmission(adm)
+    batch.lookup(1, False)
+    batch.lookup(2, False)
+    batch.retry()
+    batch.lookup(2, False)
+    batch.abandon()
+    assert adm.stats() == before
+    assert BatchAdmission(None).lookup(5, False)
