@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import ROOT, delta, git_state, launch, metric  # noqa: E402
-from workload_streams import WORKLOADS, Streams  # noqa: E402
+from workload_streams import WORKLOADS, Request, Streams, server_warmup  # noqa: E402
 from workloads import (  # noqa: E402
     DATA,
     MAX_NEW_TOKENS,
@@ -38,6 +38,7 @@ from workloads import (  # noqa: E402
     config_flags,
     config_form,
     run_stream,
+    warm_up,
 )
 
 RATE = 50  # samples per second
@@ -79,9 +80,12 @@ def seconds_by_bucket(raw: Path) -> dict[str, float]:
     return {k: v / RATE for k, v in sorted(counts.items())}
 
 
-def profile(args: argparse.Namespace, sessions: list, config: str, raw: Path) -> dict[str, Any]:
+def profile(
+    args: argparse.Namespace, sessions: list, config: str, raw: Path, warmup: list[Request]
+) -> dict[str, Any]:
     form = config_form(config)
     with launch(config_flags(SERVER_ARGS, config)) as client:
+        warm_up(client, warmup)  # before sampling: a fresh server's one-time cost
         found = subprocess.run(
             ["pgrep", "-f", "sglang::scheduler"], capture_output=True, text=True, check=True
         ).stdout.split()
@@ -128,11 +132,13 @@ def main() -> None:
     commit, dirty = git_state()
     src = Streams(DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
     sessions = WORKLOADS[args.workload](src, args.requests, args.seed)
+    warmup = server_warmup(src, args.concurrency)
     report: dict[str, Any] = {"git_commit": commit, "git_dirty": dirty, "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         for config in ("prefix_caching", "sgl_pic"):
             print(f"== {args.workload} / {config}", flush=True)
-            report[config] = profile(args, sessions, config, Path(tmp) / f"{config}.txt")
+            raw = Path(tmp) / f"{config}.txt"
+            report[config] = profile(args, sessions, config, raw, warmup)
     for config in ("prefix_caching", "sgl_pic"):
         r = report[config]
         ms = {k: 1000 * v / max(r["computed_tokens"], 1) for k, v in r["seconds"].items()}

@@ -207,6 +207,23 @@ def fewshot(src: Streams, n: int, seed: int, demos: int = 12, shots: int = 6) ->
 WORKLOADS = {"rag_churn": rag_churn, "agent": agent, "tools": tools_calls, "fewshot": fewshot}
 
 
+def server_warmup(src: Streams, n: int, passages: int = 6) -> list[Request]:
+    """``n`` requests of the streams' size (``passages`` passages each) from the last passages
+    of ``src``, which no workload draws (rag_churn reaches about 400, agent 700, fewshot
+    811): a server's first large forwards pay a one-time cost (``bench/workloads.py``) that
+    they take instead of a stream's first requests. Sent plain, so no chunk is stored."""
+    if n * passages > len(src.passages) - 900:
+        raise ValueError(f"{n} warm-up requests of {passages} passages reach below passage 900")
+    head = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+    tail = "Question: which of these comes first?<|im_end|>\n<|im_start|>assistant\n"
+    out = []
+    for r in range(n):
+        first = len(src.passages) - (r + 1) * passages
+        chunks = [head, *(f"Passage: {p}\n\n" for p in src.passages[first : first + passages])]
+        out.append(src.generate(chunks, tail))
+    return out
+
+
 def synthetic_tools(count: int = 20) -> list[dict[str, Any]]:
     """``count`` function schemas with a fixed text each (no randomness: every run and
     both forms see the same tools)."""

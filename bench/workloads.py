@@ -49,6 +49,17 @@ runs the three configurations behind the ideal side by side instead (``run_inter
 all three servers up (those not serving paused), the stream sent to each in turn in blocks
 of at least N requests.
 
+Before its stream every server runs ``--server-warmup`` plain requests at once, of the
+streams' size and of passages no workload draws, and has its prefix tree flushed
+(``warm_up``). A fresh server's first large forwards pay a one-time cost, most of it in the
+dense layers' first matmuls of that size (py-spy: 2.8 s more there than in the next
+batch). On fresh servers, batches of 4 requests of 6 cold passages each took 13.8 s for the
+first against 7.9-8.5 s for each of the next three on sgl-pic, and 9.1 s against 5.5-7.2 s
+on SGLang; after a plain warm-up batch the first took 8.2 s on sgl-pic. Without it the
+stream's first requests carried that cost, sgl-pic's most: at 4e1077a fewshot's first four
+requests had a TTFT of 17.5 s on sgl-pic, 12.3 s on prefix caching and 7.0 s on its
+one-token replay.
+
 Results: ``bench/results/workloads.json`` (commit, dirty flag, per-request records) and
 ``workloads.png`` (hit rate over time). Timings mean something only on a quiet machine;
 ``--smoke`` shows the pipeline works.
@@ -75,7 +86,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import ROOT, Client, delta, git_state, launch, metric  # noqa: E402
-from workload_streams import WORKLOADS, Request, Session, Streams  # noqa: E402
+from workload_streams import WORKLOADS, Request, Session, Streams, server_warmup  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 SERVER_ARGS = (
@@ -309,6 +320,18 @@ def first_token_only(sessions: list[Session]) -> list[Session]:
     return [[r._replace(pic=one(r.pic), base=one(r.base)) for r in s] for s in sessions]
 
 
+def warm_up(client: Client, reqs: list[Request]) -> float:
+    """Sends ``reqs`` (``server_warmup``) at once, plain, then flushes SGLang's prefix tree:
+    the server has run forwards of the streams' size and holds none of their text. Wall
+    seconds."""
+    t0 = time.perf_counter()
+    if reqs:
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            list(pool.map(lambda r: send(client.url, r, "base"), reqs))
+        client.flush()
+    return time.perf_counter() - t0
+
+
 def config_flags(server_args: str, config: str) -> list[str]:
     """The server flags of one configuration, on top of ``server_args``."""
     flags = shlex.split(server_args)
@@ -323,20 +346,32 @@ def config_form(config: str) -> str:
     return "base" if config.startswith("prefix_caching") else "pic"
 
 
-def run_one(args: argparse.Namespace, name: str, sessions: list[Session], config: str) -> dict:
+def run_one(
+    args: argparse.Namespace,
+    name: str,
+    sessions: list[Session],
+    config: str,
+    warmup: list[Request],
+) -> dict:
     flags = config_flags(args.server_args, config)
     print(f"== {name} / {config}", flush=True)
     with launch(flags) as client:
+        warm_s = warm_up(client, warmup)
         before = client.metrics()
         client.skip_log()
         res = run_stream(
             client, stream_of(sessions, config), config_form(config), args.concurrency, args.window
         )
+        res["server_warmup_s"] = warm_s
         return finish(args, client, before, sessions, res, config)
 
 
 def run_interleaved(
-    args: argparse.Namespace, name: str, sessions: list[Session], configs: list[str]
+    args: argparse.Namespace,
+    name: str,
+    sessions: list[Session],
+    configs: list[str],
+    warmup: list[Request],
 ) -> dict[str, dict]:
     """``--interleave N``: every configuration's server up at once, paused (SIGSTOP) while
     another runs, and the stream sent in blocks of whole sessions of at least
@@ -359,8 +394,10 @@ def run_interleaved(
             # Resumed before the server is killed: a stopped process does not act on SIGTERM.
             stack.callback(clients[c].resume)
         before: dict[str, dict[str, float]] = {}
+        warm_s: dict[str, float] = {}
         for c, cl in clients.items():
             with running(cl):
+                warm_s[c] = warm_up(cl, warmup)
                 before[c] = cl.metrics()
             cl.skip_log()
         parts: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
@@ -379,7 +416,9 @@ def run_interleaved(
         out = {}
         for c in configs:
             with running(clients[c]):
-                out[c] = finish(args, clients[c], before[c], sessions, joined(parts[c], blocks), c)
+                res = joined(parts[c], blocks)
+                res["server_warmup_s"] = warm_s[c]
+                out[c] = finish(args, clients[c], before[c], sessions, res, c)
         return out
 
 
@@ -548,11 +587,19 @@ def main() -> None:
         "to each in turn (0: one run after another)",
     )
     ap.add_argument("--server-args", default=SERVER_ARGS, help="flags of every server")
+    ap.add_argument(
+        "--server-warmup",
+        type=int,
+        default=4,
+        help="plain requests every server runs (at once) before its stream, 0: none",
+    )
     ap.add_argument("--smoke", action="store_true", help="a tiny stream: the pipeline works")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "workloads.json"))
     args = ap.parse_args()
     if args.interleave < 0:
         ap.error(f"--interleave must be >= 0, got {args.interleave}")
+    if args.server_warmup < 0:
+        ap.error(f"--server-warmup must be >= 0, got {args.server_warmup}")
     if args.smoke:
         args.requests, args.window, args.warmup, args.agreement = 8, 2, 0, 2
         args.passage_tokens, args.max_new_tokens = 48, 4
@@ -564,16 +611,17 @@ def main() -> None:
         "args": vars(args),
         "workloads": {},
     }
+    warmup = server_warmup(src, args.server_warmup)
     for name in args.workloads.split(","):
         sessions = WORKLOADS[name](src, args.requests, args.seed)
         configs = ["prefix_caching", "prefix_caching_first_token", "sgl_pic"]
         if args.interleave:
-            runs = run_interleaved(args, name, sessions, configs)
+            runs = run_interleaved(args, name, sessions, configs, warmup)
         else:
-            runs = {c: run_one(args, name, sessions, c) for c in configs}
+            runs = {c: run_one(args, name, sessions, c, warmup) for c in configs}
         if name == "rag_churn":
             # Alone in both modes: a fourth server at once would not fit in 24 GiB.
-            runs["sgl_pic_lru"] = run_one(args, name, sessions, "sgl_pic_lru")
+            runs["sgl_pic_lru"] = run_one(args, name, sessions, "sgl_pic_lru", warmup)
         report["workloads"][name] = {"runs": runs, "compare": compare(runs, args.warmup)}
         print(json.dumps({name: report["workloads"][name]["compare"]}, indent=1), flush=True)
     out = Path(args.out)
