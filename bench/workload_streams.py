@@ -209,9 +209,12 @@ WORKLOADS = {"rag_churn": rag_churn, "agent": agent, "tools": tools_calls, "fews
 
 def server_warmup(src: Streams, n: int, passages: int = 6) -> list[Request]:
     """``n`` requests of the streams' size (``passages`` passages each) from the last passages
-    of ``src``, which no workload draws (rag_churn reaches about 400, agent 700, fewshot
-    811): a server's first large forwards pay a one-time cost (``bench/workloads.py``) that
-    they take instead of a stream's first requests. Sent plain, so no chunk is stored."""
+    of ``src``, past those the workloads draw by index (rag_churn reaches about 400, agent
+    700, fewshot 811): a server's first large forwards pay a one-time cost
+    (``bench/workloads.py``) that they take instead of a stream's first requests. The data
+    repeats some paragraphs, so a few of these recur in the streams (five of the 24, with
+    the default seed); that is harmless, since the warm-up is sent plain (no chunk is
+    stored) and the prefix tree is flushed after it."""
     if n * passages > len(src.passages) - 900:
         raise ValueError(f"{n} warm-up requests of {passages} passages reach below passage 900")
     head = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
