@@ -33,14 +33,17 @@ and the rest of the full run's wall time is the decode of the other tokens.
 ``ideal_speedup`` keeps that decode and scales the whole first-token wall time by the work
 ratio, which credits sgl-pic with shrinking even the request handling (a bound above what
 it can reach); ``fraction_of_ideal`` is the measured throughput ratio over it, and
-``fraction_of_prefill_ideal`` the same over the prefill-only ratio. Selection, assembly,
-phase 1 of missed chunks and every other sgl-pic overhead count against both.
-``computed_over_ideal_work`` and ``tokens_per_forward`` say where the gap comes from: the
-tokens sgl-pic computed (phase 1 and phase 2; a missed chunk's tokens that phase 2
-recomputes in context run twice) over the work the ideal counts, and the mean tokens of
-SGLang's extend batches (prefix caching) against those of the phase forwards (phase 1,
-probe, phase 2) sgl-pic splits its batches into: on a CPU a forward of fewer tokens costs
-more per token (``bench/layer_batch.py``).
+``fraction_of_prefill_ideal`` the same over the prefill-only ratio. That decode estimate is
+the difference of two wall times and moves from block to block, so
+``fraction_of_ideal_in_run_decode`` gives the same fraction with decode taken inside the
+prefix-caching run alone (``decode_share_in_run``: the share of its requests' time after
+their first token). Selection, assembly, phase 1 of missed chunks and every other sgl-pic
+overhead count against both. ``computed_over_ideal_work`` and ``tokens_per_forward`` say
+where the gap comes from: the tokens sgl-pic computed (phase 1 and phase 2; a missed
+chunk's tokens that phase 2 recomputes in context run twice) over the work the ideal
+counts, and the mean tokens of SGLang's extend batches (prefix caching) against those of
+the phase forwards (phase 1, probe, phase 2) sgl-pic splits its batches into: on a CPU a
+forward of fewer tokens costs more per token (``bench/layer_batch.py``).
 
 One run after another gives a slow spell of this shared 2-core machine to whichever ran
 then (at f7bcfd9, rag_churn's sgl-pic with GDSF and then with LRU eviction did about the
@@ -489,6 +492,11 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     work = pic["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
     decode_s = max(base["wall_s"] - one_token["wall_s"], 0.0)
     ideal_wall = decode_s + one_token["wall_s"] * work
+    # The same ideal with decode taken inside the prefix-caching run alone: the share of its
+    # requests' time after their first token (no second run's wall time in it).
+    after_first = sum(r["latency"] - r["ttft"] for r in base["records"])
+    decode_share = after_first / max(sum(r["latency"] for r in base["records"]), 1e-9)
+    proxy_wall = base["wall_s"] * (decode_share + (1 - decode_share) * work)
     speedup = base["wall_s"] / pic["wall_s"]
     pic_ttft = {(r["session"], r["turn"]): r["ttft"] for r in pic["records"]}
     out: dict[str, Any] = {
@@ -504,6 +512,8 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         "fraction_of_prefill_ideal": speedup * work,
         "ideal_speedup": base["wall_s"] / ideal_wall,
         "fraction_of_ideal": ideal_wall / pic["wall_s"],
+        "decode_share_in_run": decode_share,
+        "fraction_of_ideal_in_run_decode": proxy_wall / pic["wall_s"],
         # Where the gap to the ideal comes from, in tokens and forward sizes: what sgl-pic
         # computed over the work the ideal counts, and the tokens per forward of SGLang's
         # extend batches against those of the phase forwards sgl-pic splits them into.
