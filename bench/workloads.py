@@ -54,14 +54,10 @@ of at least N requests.
 
 Before its stream every server runs ``--server-warmup`` plain requests at once, of the
 streams' size (``server_warmup``), and has its prefix tree flushed (``warm_up``): nothing
-of them stays in any cache. A fresh server's first large forwards pay a one-time cost, most
-of it in the dense layers' first matmuls of that size (py-spy: 2.8 s more there than in the
-next batch). On fresh servers, batches of 4 requests of 6 cold passages each took 13.8 s
-for the first against 7.9-8.5 s for each of the next three on sgl-pic, and 9.1 s against
-5.5-7.2 s on SGLang; after a plain warm-up batch the first took 8.2 s on sgl-pic. Without
-it the stream's first requests carried that cost, sgl-pic's most: at 4e1077a fewshot's
-first four requests had a TTFT of 17.5 s on sgl-pic, 12.3 s on prefix caching and 7.0 s on
-its one-token replay.
+of them stays in any cache. A fresh server's first large forwards pay a one-time cost,
+most of it in the dense layers' first matmuls of that size, which the stream's first
+requests carried before: at 4e1077a fewshot's first four requests had a TTFT of 17.5 s on
+sgl-pic, 12.3 s on prefix caching and 7.0 s on its one-token replay.
 
 Results: ``bench/results/workloads.json`` (commit, dirty flag, per-request records) and
 ``workloads.png`` (hit rate over time). Timings mean something only on a quiet machine;
