@@ -60,7 +60,20 @@ def apply_rope(
     if layout not in ("neox", "interleaved"):
         raise ValueError(f"unknown RoPE layout {layout!r}; valid: neox, interleaved")
     cos, sin = rope_cos_sin(positions, inv_freq, scale)
+    return rotate_with(x, cos, sin, layout)
+
+
+def rotate_with(
+    x: torch.Tensor,  # [..., num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim // 2] from ``rope_cos_sin``
+    sin: torch.Tensor,  # [num_tokens, head_dim // 2]
+    layout: RopeLayout = "neox",
+) -> torch.Tensor:
+    """A new tensor: ``x`` rotated by the angles of ``cos``/``sin`` (``apply_rope`` once
+    they are computed: a caller rotating many tensors by the same positions computes them
+    once). Arguments are not checked here; ``apply_rope`` checks them."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    head_dim = x.shape[-1]
     xf = x.to(torch.float32)
     out = torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
     if layout == "neox":

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,6 +59,16 @@ logger = logging.getLogger(__name__)
 MAX_SCRATCH_ROWS = 16
 
 Stack = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+
+
+class HitCopy(NamedTuple):
+    """One device hit's copy: the chunk node's slots from the first row past the device
+    prefix, the request's slots they go to, and the positions its keys move by (the
+    chunk's start: node keys sit at chunk positions 0..n-1)."""
+
+    src: torch.Tensor  # [n] node slots
+    dst: torch.Tensor  # [n] request slots
+    delta: int
 
 
 class NoScratchRows(RuntimeError):
@@ -236,23 +246,38 @@ class ChunkExecutor:
         return self.phases.req_to_token[plan.pool_idx, start:stop].to(torch.int64)
 
     def _assemble(self, plans: dict[int, RequestPlan]) -> None:
+        """Looks every chunk up, then copies all device hits of the batch in one call."""
+        copies: list[HitCopy] = []
         for plan in plans.values():
             planner.classify(
                 plan,
-                lambda s, e, plan=plan: self._lookup(plan, s, e),
-                lambda s, e, keep, plan=plan: self._lookup(plan, s, e, keep),
+                lambda s, e, plan=plan: self._lookup(plan, s, e, copies),
+                lambda s, e, keep, plan=plan: self._lookup(plan, s, e, copies, keep),
+            )
+        if copies:
+            device = self.kv.device
+            self.kv.copy_rotated(
+                torch.cat([c.src.to(device) for c in copies]),
+                torch.cat([c.dst.to(device) for c in copies]),
+                torch.cat([torch.full((c.src.numel(),), c.delta, device=device) for c in copies]),
             )
 
     def _lookup(
-        self, plan: RequestPlan, start: int, end: int, keep: int | None = None
+        self,
+        plan: RequestPlan,
+        start: int,
+        end: int,
+        copies: list[HitCopy],
+        keep: int | None = None,
     ) -> ChunkLookup:
-        """Where chunk [start, end) is reused from. A device hit is copied in now; its
-        nodes and a lower hit's records stay locked until the batch ends, so nothing the
-        request reads is evicted under it. ``keep``: when the device prefix ends inside the
-        chunk, its first position past the prefix; only a device copy serves then (its
-        rows from ``keep`` on; the prefix's slots are shared and stay as they are), since
-        host and disk loads place whole chunks. A miss says whether store admission lets
-        phase 1 store it."""
+        """Where chunk [start, end) is reused from. A device hit's copy into the request's
+        slots is added to ``copies`` (``_assemble`` makes them before phase 1); its nodes
+        and a lower hit's records stay locked until the batch ends, so nothing the request
+        reads is evicted under it. ``keep``: when the device prefix ends inside the chunk,
+        its first position past the prefix; only a device copy serves then (its rows from
+        ``keep`` on; the prefix's slots are shared and stay as they are), since host and
+        disk loads place whole chunks. A miss says whether store admission lets phase 1
+        store it."""
         keep = start if keep is None else keep
         chunk_ids = plan.pending.token_ids[start:end]
         if chunk_ids in self.promoter:
@@ -266,8 +291,7 @@ class ChunkExecutor:
             plan.locked_nodes.extend(hit.nodes)
             # Rows keep - start.. hold keys at those chunk positions: moving them by
             # ``start`` puts them at keep..end-1.
-            kv = self.kv.read(hit.slots[keep - start :])
-            self.kv.write_rotated(self._slots(plan, keep, end), kv, start)
+            copies.append(HitCopy(hit.slots[keep - start :], self._slots(plan, keep, end), start))
             return ChunkLookup("device", hit.ranking)
         if keep > start:
             return ChunkLookup(None, None)  # recomputed in context whatever admission says

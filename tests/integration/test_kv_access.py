@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sgl_pic.integration.kv_access import KVAccess
@@ -26,5 +27,69 @@ def test_write_rotated_then_read_moves_keys_to_their_new_positions() -> None:
     kv.write_rotated(slots, c.kv, 9)
     back = kv.read(slots)
     expected = rotate_layers(c.pre_k, torch.arange(9, 14), INV_FREQ)
+    torch.testing.assert_close(back[:, 0], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(back[:, 1], c.v)
+
+
+def _pool_with_chunks(dtype: torch.dtype) -> tuple[FakePool, list[torch.Tensor]]:
+    """A pool holding two chunks' KV (keys at chunk positions 0..n-1) at node slots."""
+    pool = FakePool(64, LAYERS, HEADS, DIM, dtype=dtype)
+    node_slots = [torch.arange(40, 46), torch.tensor([50, 52, 54, 56])]
+    for seed, slots in enumerate(node_slots):
+        c = chunk_data(seed, slots.numel(), LAYERS, HEADS, DIM, INV_FREQ)
+        for layer in range(LAYERS):
+            pool.k_buffer[layer][slots] = c.kv[layer, 0].to(dtype)
+            pool.v_buffer[layer][slots] = c.v[layer].to(dtype)
+    return pool, node_slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["neox", "interleaved"])
+@pytest.mark.parametrize("path", ["per_layer", "all_layers", "table"])
+def test_copy_rotated_matches_a_copy_per_hit(dtype: torch.dtype, layout: str, path: str) -> None:
+    """The batched copy of device hits writes what one read + write_rotated per hit did,
+    whichever way it runs, and leaves the node slots as stored. The same chunk may serve
+    twice (two requests of a batch), and a hit may start past the device prefix."""
+    rope = ModelRope.plain(INV_FREQ, max_positions=256, layout=layout)  # type: ignore[arg-type]
+    if path == "table":
+        rope = ModelRope(rope.spec._replace(inv_freq=None))
+    hits = [  # (node slots, request slots, chunk start)
+        (0, torch.arange(0, 6), 3),
+        (1, torch.tensor([9, 7, 11, 13]), 40),
+        (0, torch.arange(20, 26), 120),
+        (1, torch.tensor([31, 32]), 17),  # rows 2.. of the chunk: the prefix held 0 and 1
+    ]
+    want_pool, node_slots = _pool_with_chunks(dtype)
+    want = KVAccess(want_pool, LAYERS, rope)
+    for chunk, dst, start in hits:
+        src = node_slots[chunk][-dst.numel() :]
+        want.write_rotated(dst, want.read(src), start + node_slots[chunk].numel() - dst.numel())
+
+    pool, node_slots = _pool_with_chunks(dtype)
+    nodes_before = [torch.stack([pool.k_buffer[i][s] for i in range(LAYERS)]) for s in node_slots]
+    got = KVAccess(pool, LAYERS, rope)
+    got.per_layer_copies = path != "all_layers"
+    src = [node_slots[c][-d.numel() :] for c, d, _ in hits]
+    delta = [torch.full((d.numel(),), s + node_slots[c].numel() - d.numel()) for c, d, s in hits]
+    got.copy_rotated(torch.cat(src), torch.cat([d for _, d, _ in hits]), torch.cat(delta))
+
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 0}
+    for layer in range(LAYERS):
+        torch.testing.assert_close(pool.k_buffer[layer], want_pool.k_buffer[layer], **tol)
+        torch.testing.assert_close(pool.v_buffer[layer], want_pool.v_buffer[layer], rtol=0, atol=0)
+    for slots, before in zip(node_slots, nodes_before, strict=True):
+        after = torch.stack([pool.k_buffer[i][slots] for i in range(LAYERS)])
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_copy_rotated_moves_keys_to_their_new_positions() -> None:
+    """Against the RoPE math itself: node keys at 0..n-1 land at start..start+n-1."""
+    pool, node_slots = _pool_with_chunks(torch.float32)
+    kv = KVAccess(pool, LAYERS, ModelRope.plain(INV_FREQ))
+    c = chunk_data(0, 6, LAYERS, HEADS, DIM, INV_FREQ)
+    dst = torch.arange(0, 6)
+    kv.copy_rotated(node_slots[0], dst, torch.full((6,), 33))
+    back = kv.read(dst)
+    expected = rotate_layers(c.pre_k, torch.arange(33, 39), INV_FREQ)
     torch.testing.assert_close(back[:, 0], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(back[:, 1], c.v)
