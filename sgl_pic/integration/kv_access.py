@@ -69,9 +69,8 @@ class KVAccess:
         """Pool K/V at ``dst`` = those at ``src``, keys moved by ``delta``; ``src`` is only
         read, so a chunk node's KV stays as stored. Copies every device hit of a batch in
         one call. On the CPU it runs one layer at a time, so that a layer's rows stay in
-        cache from read to write: at 800 rows of the embedded model that took 20 ms,
-        against 39 ms for ``read``, a rotation of every layer's keys, then the write
-        (``bench/results/assembly.json``)."""
+        cache from read to write, where ``read``, a rotation of every layer's keys and the
+        write each stream all layers through memory (``bench/assembly.py`` times both)."""
         src = src.to(self.device, torch.int64)
         dst = dst.to(self.device, torch.int64)
         delta = delta.to(self.device, torch.int64)
