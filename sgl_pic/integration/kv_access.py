@@ -77,10 +77,7 @@ class KVAccess:
         spec = self.rope.spec
         if not self.per_layer_copies:
             kv = self.read(src)
-            if spec.inv_freq is None:
-                kv[:, 0] = self.rope.rotate(kv[:, 0], delta)
-            else:
-                apply_rope_kv(kv[:, 0], delta, spec.inv_freq.to(self.device), spec.layout)
+            self._rotate_in_place(kv[:, 0], delta)
             write_pool_kv(self.pool, self.num_layers, dst, kv)
             return
         cos_sin = None if spec.inv_freq is None else rope_cos_sin(delta, spec.inv_freq)
@@ -113,14 +110,20 @@ class KVAccess:
         kb[idx] = k.to(kb.device, kb.dtype)
         vb[idx] = v.to(vb.device, vb.dtype)
 
-    def _rotate_in_place(self, keys: torch.Tensor, delta: int) -> None:
-        """keys # [L, n, H, D] (each layer contiguous) moved by ``delta`` positions where
-        they lie: the op rotates a KV buffer in place, with no copy to rotate and copy back."""
+    def _rotate_in_place(self, keys: torch.Tensor, delta: int | torch.Tensor) -> None:
+        """keys # [L, n, H, D] (each layer contiguous) moved by ``delta`` positions (scalar
+        or # [n]) where they lie: the op rotates a KV buffer in place, with no copy to
+        rotate and copy back."""
         spec = self.rope.spec
         if spec.inv_freq is None:
             keys.copy_(self._rotate(keys, delta))
             return
-        d = torch.full((keys.shape[1],), delta, dtype=torch.int64, device=keys.device)
+        n = keys.shape[1]
+        d = (
+            torch.full((n,), delta, dtype=torch.int64, device=keys.device)
+            if isinstance(delta, int)
+            else delta
+        )
         apply_rope_kv(keys, d, spec.inv_freq.to(keys.device), spec.layout)
 
     def _rotate(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
