@@ -62,6 +62,11 @@ class PicConfig:
     max_chunks:        most chunks one request may mark (a prompt of thousands of tiny
                        chunks would stall the scheduler on lookups and phase sub-requests).
     min_chunk_tokens:  fewest tokens a chunk may have.
+    auto_chunk_min_tokens: fewest tokens of a text auto-chunking makes a chunk (at least
+                       ``min_chunk_tokens`` in effect); shorter texts stay fresh. Reuse
+                       saves little on them (query_aware recomputes ``qa_min_tokens`` of
+                       every reused chunk, DARIC its first tokens), while each costs a
+                       lookup, a node and, on first sight, a phase-1 forward.
     """
 
     policy: str = "query_aware"
@@ -82,6 +87,7 @@ class PicConfig:
     delimiter: str = "<|pic_chunk|>"
     max_chunks: int = 256
     min_chunk_tokens: int = 4
+    auto_chunk_min_tokens: int = 32
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -112,6 +118,7 @@ class PicConfig:
         _check_range("page_size", self.page_size, 1, 1 << 16)
         _check_range("max_chunks", self.max_chunks, 1, 1 << 16)
         _check_range("min_chunk_tokens", self.min_chunk_tokens, 1, MAX_BUDGET_TOKENS)
+        _check_range("auto_chunk_min_tokens", self.auto_chunk_min_tokens, 1, MAX_BUDGET_TOKENS)
         if not self.delimiter:
             raise ValueError("delimiter must be a non-empty string")
 

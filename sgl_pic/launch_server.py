@@ -37,6 +37,7 @@ PIC_FLAGS: dict[str, str] = {
     "--pic-delimiter": "delimiter",
     "--pic-max-chunks": "max_chunks",
     "--pic-min-chunk-tokens": "min_chunk_tokens",
+    "--pic-auto-chunk-min-tokens": "auto_chunk_min_tokens",
 }
 
 
@@ -67,6 +68,12 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.min_chunk_tokens,
         help="fewest tokens per chunk",
+    )
+    g.add_argument(
+        "--pic-auto-chunk-min-tokens",
+        type=int,
+        default=d.auto_chunk_min_tokens,
+        help="fewest tokens of a message text auto-chunking makes a chunk",
     )
     g.add_argument(
         "--pic-device-cache-fraction",

@@ -19,12 +19,13 @@ request) marks chunks itself, chosen by these names:
 With auto-chunking on, every message text is tokenized on its own whether it becomes a chunk
 or not, so a turn's tokens stay a prefix of the next turn's (where the question has become
 an earlier turn) and SGLang's prefix cache serves them as device prefix. A text shorter than
-``min_chunk_tokens`` stays fresh; past ``max_chunks``, the earliest chunks made here stay
-fresh. A chunk made here that is longer than ``segment_tokens`` is split into windows of at
-most that many tokens of its own tokenization at content-defined cut points
-(``sgl_pic.cut_points``): its text is tokenized on its own, so its windows, and their cache
-keys, are the same wherever it appears, whatever precedes it, and an edit inside it changes
-only the windows around the edit.
+``auto_chunk_min_tokens`` (or ``min_chunk_tokens``) stays fresh: reuse would recompute most
+of it; past ``max_chunks``, the earliest chunks made here stay fresh. A chunk made here that
+is longer than ``segment_tokens`` is split into windows of at most that many tokens of its
+own tokenization at content-defined cut points (``sgl_pic.cut_points``): its text is
+tokenized on its own, so its windows, and their cache keys, are the same wherever it
+appears, whatever precedes it, and an edit inside it changes only the windows around the
+edit.
 
 Tool schemas: when chunks apply (a mark, or auto-chunking on) and the request carries
 ``tools``, each tool the template would show (all, none for ``tool_choice: "none"``, the
@@ -426,14 +427,15 @@ def _chunk_spans(
     """The chunks among the delimited pieces' spans (of the prompt ``ids``): marked ones as
     they are, those made here windowed, or left fresh when too short or past
     ``max_chunks`` (the earliest)."""
-    size = max(config.segment_tokens, config.min_chunk_tokens)
+    shortest = max(config.auto_chunk_min_tokens, config.min_chunk_tokens)
+    size = max(config.segment_tokens, shortest)
     chunks: list[tuple[Span, bool]] = []  # (span, made here)
     for span, piece in zip(spans, pieces, strict=True):
         if piece.kind is PieceKind.MARKED:
             chunks.append((span, False))
-        elif piece.kind is PieceKind.AUTO and span.length >= config.min_chunk_tokens:
+        elif piece.kind is PieceKind.AUTO and span.length >= shortest:
             own = ids[span.start : span.end]
-            chunks += [(w, True) for w in windows(span, own, size, config.min_chunk_tokens)]
+            chunks += [(w, True) for w in windows(span, own, size, shortest)]
     excess = len(chunks) - config.max_chunks
     kept = []
     for span, made_here in chunks:

@@ -37,6 +37,9 @@ from tests.integration.session_checks import (
 from tests.integration.session_checks import SESSION_KEYS as KEYS
 
 ALL = frozenset({"tool", "document", "user", "assistant"})
+# The texts here are a sentence each, under the default auto_chunk_min_tokens: tests of
+# which messages become chunks lower it.
+SHORT = PicConfig(auto_chunk_min_tokens=4)
 SYSTEM = "You are a travel agent. Answer in one short sentence."
 U1 = "Which city lies almost exactly on the equator?"
 A1 = "Let me look that up in the travel guide for you."
@@ -86,7 +89,7 @@ def call(call_id: str, name: str, query: str) -> dict[str, Any]:
 def translator(
     auto: frozenset[str] = frozenset(), config: PicConfig | None = None
 ) -> RequestTranslator:
-    return RequestTranslator(config or PicConfig(), tokenizer, MarkSigner("k"), auto_chunk=auto)
+    return RequestTranslator(config or SHORT, tokenizer, MarkSigner("k"), auto_chunk=auto)
 
 
 def chunk_ids(out: dict[str, Any], config: PicConfig | None = None) -> list[list[int]]:
@@ -174,19 +177,32 @@ def test_short_texts_stay_fresh() -> None:
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": U1},
         {"role": "assistant", "content": A1},
+        {"role": "tool", "content": LONG},
         {"role": "user", "content": U2},
     ]
-    config = PicConfig(min_chunk_tokens=4)
     assert len(ids("Hi")) < 4 and len(ids("Hello!")) < 4
+    out = chat(
+        translator(ALL, PicConfig(min_chunk_tokens=4, auto_chunk_min_tokens=4)), {"messages": msgs}
+    )
+    assert out is not None
+    assert chunk_texts(out)[:2] == [U1, A1]
+    # By default a sentence stays fresh too (reuse would recompute most of it); a long
+    # text is still a chunk.
+    config = PicConfig()
+    assert len(ids(U1)) < config.auto_chunk_min_tokens <= len(ids(LONG))
     out = chat(translator(ALL, config), {"messages": msgs})
     assert out is not None
-    assert chunk_texts(out, config) == [U1, A1]
+    assert "".join(chunk_texts(out, config)) == LONG
+    # A client's mark is honoured down to min_chunk_tokens.
+    marked = [{**m, "pic_chunk": True} if m["content"] == A1 else m for m in msgs]
+    out = chat(translator(frozenset(), config), {"messages": marked})
+    assert out is not None and chunk_texts(out, config) == [A1]
 
 
 def test_past_max_chunks_the_earliest_auto_chunks_stay_fresh() -> None:
     msgs = [{"role": "tool", "content": DOCS[k]} for k in "ABCDE"]
     msgs.insert(2, {"role": "user", "content": DOCS["B"] + " (mine)", "pic_chunk": True})
-    config = PicConfig(max_chunks=3)
+    config = PicConfig(max_chunks=3, auto_chunk_min_tokens=4)
     out = chat(translator(ALL, config), {"messages": msgs})
     assert out is not None
     # The marked chunk stays; of the five tool results, the three earliest are left fresh.
@@ -275,7 +291,7 @@ def test_a_template_that_rewrites_text_cannot_carry_chunks() -> None:
     def tok(text: str) -> list[int]:
         return ids(text)
 
-    assert chat_prompt(msgs, None, None, ALL, PicConfig(), trimming, tok) is None
+    assert chat_prompt(msgs, None, None, ALL, SHORT, trimming, tok) is None
     marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
     with pytest.raises(LayoutError, match="verbatim"):
         chat_prompt(marked, None, None, frozenset(), PicConfig(), trimming, tok)
@@ -383,12 +399,14 @@ def test_a_long_message_gives_the_same_window_chunks_wherever_it_appears() -> No
     a = chat(translator(frozenset({"tool"}), config), {"messages": first})
     b = chat(translator(frozenset({"tool"}), config), {"messages": later})
     assert a is not None and b is not None
-    wa, wb = chunk_ids(a, config), chunk_ids(b, config)[1:]
+    # DOCS["B"], a sentence, stays fresh (under auto_chunk_min_tokens).
+    wa, wb = chunk_ids(a, config), chunk_ids(b, config)
     assert wa == wb
-    assert all(16 <= len(w) <= 64 for w in wa[:-1]) and 4 <= len(wa[-1]) < 64 + 4
+    shortest = config.auto_chunk_min_tokens
+    assert all(shortest <= len(w) <= 64 for w in wa[:-1]) and len(wa[-1]) < 64 + shortest
     assert sum(wa, []) == ids(LONG)  # the message's own tokenization, cut in windows
     layout = decode(b["custom_params"], config).layout
-    assert layout.chunks[1].start != decode(a["custom_params"], config).layout.chunks[0].start
+    assert layout.chunks[0].start != decode(a["custom_params"], config).layout.chunks[0].start
     # A client's chunk is kept whole, however long.
     marked = [{"role": "user", "content": LONG, "pic_chunk": True}, first[1]]
     out = chat(translator(frozenset(), config), {"messages": marked})
@@ -527,6 +545,8 @@ def agent_server() -> Iterator[Server]:
         "daric",
         "--pic-n-avg",
         str(N_AVG),
+        "--pic-auto-chunk-min-tokens",  # its turns are a sentence each
+        "4",
         "--enable-cache-report",
     ) as s:
         yield s
@@ -536,7 +556,7 @@ def agent_server() -> Iterator[Server]:
 def test_agent_session_reuses_tool_results_and_earlier_turns(agent_server: Server) -> None:
     from sgl_pic.selection import daric_budget
 
-    config = PicConfig(policy="daric", daric_n_avg=N_AVG)
+    config = PicConfig(policy="daric", daric_n_avg=N_AVG, auto_chunk_min_tokens=4)
     local = RequestTranslator(config, tokenizer, auto_chunk=parse_roles(SERVER_ROLES))
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
