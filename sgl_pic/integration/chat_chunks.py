@@ -30,9 +30,10 @@ edit.
 Tool schemas: when chunks apply (a mark, or auto-chunking on) and the request carries
 ``tools``, each tool the template would show (all, none for ``tool_choice: "none"``, the
 named one for a named choice) is rendered as canonical JSON (sorted keys) on its own line,
-one chunk each, after a fixed header, at the end of the first system message (a system
-message is added in front when the first message is not one). Its tokens depend on that
-tool alone, whatever the order or subset of tools. The chat template never sees ``tools``.
+one chunk each (one shorter than ``auto_chunk_min_tokens`` stays fresh, as any such text),
+after a fixed header, at the end of the first system message (a system message is added in
+front when the first message is not one). Its tokens depend on that tool alone, whatever
+the order or subset of tools. The chat template never sees ``tools``.
 SGLang keeps them in the request: given ``input_ids`` it renders no prompt from them and
 only uses them to parse tool calls and build tool-choice constraints.
 

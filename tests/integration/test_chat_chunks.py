@@ -193,6 +193,12 @@ def test_short_texts_stay_fresh() -> None:
     out = chat(translator(ALL, config), {"messages": msgs})
     assert out is not None
     assert "".join(chunk_texts(out, config)) == LONG
+    # So does a tool schema that short; the others are chunks.
+    tiny = {"type": "function", "function": {"name": "now"}}
+    out = chat(translator(ALL, config), {"messages": msgs[-1:], "tools": [tiny, SEARCH]})
+    assert out is not None
+    assert [json.loads(t) for t in chunk_texts(out, config)] == [SEARCH]
+    assert '"name": "now"' in tokenizer().decode(out["input_ids"])
     # A client's mark is honoured down to min_chunk_tokens.
     marked = [{**m, "pic_chunk": True} if m["content"] == A1 else m for m in msgs]
     out = chat(translator(frozenset(), config), {"messages": marked})
