@@ -181,9 +181,8 @@ def test_short_texts_stay_fresh() -> None:
         {"role": "user", "content": U2},
     ]
     assert len(ids("Hi")) < 4 and len(ids("Hello!")) < 4
-    out = chat(
-        translator(ALL, PicConfig(min_chunk_tokens=4, auto_chunk_min_tokens=4)), {"messages": msgs}
-    )
+    assert SHORT.min_chunk_tokens == SHORT.auto_chunk_min_tokens == 4
+    out = chat(translator(ALL, SHORT), {"messages": msgs})
     assert out is not None
     assert chunk_texts(out)[:2] == [U1, A1]
     # By default a sentence stays fresh too (reuse would recompute most of it); a long
@@ -409,7 +408,9 @@ def test_a_long_message_gives_the_same_window_chunks_wherever_it_appears() -> No
     wa, wb = chunk_ids(a, config), chunk_ids(b, config)
     assert wa == wb
     shortest = config.auto_chunk_min_tokens
-    assert all(shortest <= len(w) <= 64 for w in wa[:-1]) and len(wa[-1]) < 64 + shortest
+    assert (
+        all(shortest <= len(w) <= 64 for w in wa[:-1]) and shortest <= len(wa[-1]) < 64 + shortest
+    )
     assert sum(wa, []) == ids(LONG)  # the message's own tokenization, cut in windows
     layout = decode(b["custom_params"], config).layout
     assert layout.chunks[0].start != decode(a["custom_params"], config).layout.chunks[0].start
