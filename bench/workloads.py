@@ -5,8 +5,8 @@ requests, ``--concurrency`` sessions at a time, each session's requests in order
 
 - ``prefix_caching``: ``--pic-disable`` (plain SGLang, its radix prefix cache), the requests
   without chunk marks;
-- ``prefix_caching_first_token``: the same, one output token per request (the ideal's
-  decode time, below);
+- ``prefix_caching_first_token``: the same, one output token per request (the earlier
+  ideal's decode estimate, below);
 - ``sgl_pic``: chunk marks (/generate) or auto-chunking (chat), default policy; on
   ``rag_churn`` also ``sgl_pic_lru`` (``--pic-eviction lru``), to show what the eviction
   policy keeps.
@@ -25,20 +25,28 @@ with ``policy: full_recompute``, its answer compared with the one the stream got
 The ideal, from prefill work: the prompt tokens prefix caching did not have cached, over
 sgl-pic's (prompt tokens past the device prefix, less the chunk tokens it reused; its
 recomputed tokens count as work). ``ideal_prefill_speedup`` is that ratio: the throughput
-ratio if a request's time were its prefill tokens alone. Decode is not: every request
-decodes the same tokens in both runs, and no reuse shortens it. So prefix caching also
-replays the stream with one output token per request (``prefix_caching_first_token``, a
-fresh server): its wall time is what prefill (with request handling and scheduling) costs,
-and the rest of the full run's wall time is the decode of the other tokens.
-``ideal_speedup`` keeps that decode and scales the whole first-token wall time by the work
-ratio, which credits sgl-pic with shrinking even the request handling (a bound above what
-it can reach); ``fraction_of_ideal`` is the measured throughput ratio over it, and
-``fraction_of_prefill_ideal`` the same over the prefill-only ratio. That decode estimate is
-the difference of two wall times and moves from block to block, so
-``fraction_of_ideal_in_run_decode`` gives the same fraction with decode taken inside the
-prefix-caching run alone (``decode_share_in_run``: the share of its requests' time after
-their first token). Selection, assembly, phase 1 of missed chunks and every other sgl-pic
-overhead count against both. ``computed_over_ideal_work`` and ``tokens_per_forward`` say
+ratio if a request's time were its prefill tokens alone. Reuse shortens extend forwards and
+nothing else: every request decodes the same tokens in both runs, and is received,
+tokenized, scheduled and answered the same way. Every server counts the seconds of its
+model runner's forwards by kind (``sgl_pic_forward_seconds_total``, ``forward_timer``; on
+``--pic-disable`` too), so ``ideal_speedup`` is prefix caching's wall time with its extend
+forwards' seconds scaled by the work ratio and everything else kept; ``fraction_of_ideal``
+is the measured throughput ratio over it, and ``fraction_of_prefill_ideal`` the same over
+the prefill-only ratio. Selection, assembly, phase 1 of missed chunks, the probe and every
+other sgl-pic overhead count against it: those inside a forward lengthen sgl-pic's extend
+seconds, the rest (chunk lookups when a batch is formed, chat auto-chunking) its wall time.
+``forward_seconds`` and ``extend_over_ideal`` (sgl-pic's extend seconds over prefix
+caching's scaled by the work ratio) say which.
+
+Until e34fb2a the ideal came from a second prefix-caching server that replays the stream
+with one output token per request (``prefix_caching_first_token``): its wall time stood for
+prefill, and prefix caching's wall less it for decode; that ideal scaled the whole
+first-token wall time, request handling included, by the work ratio (a bound above what
+reuse can reach), and a difference of two wall times moves from block to block. It is still
+run and reported as ``ideal_speedup_replay`` and ``fraction_of_ideal_replay``, with
+``fraction_of_ideal_in_run_decode``, which takes decode inside the prefix-caching run
+(``decode_share_in_run``: the share of its requests' time after their first token).
+``computed_over_ideal_work`` and ``tokens_per_forward`` say
 where the gap comes from: the tokens sgl-pic computed (phase 1 and phase 2; a missed
 chunk's tokens that phase 2 recomputes in context run twice) over the work the ideal
 counts, and the mean tokens of SGLang's extend batches (prefix caching) against those of
@@ -87,10 +95,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import ROOT, Client, delta, git_state, launch, metric  # noqa: E402
 from workload_streams import WORKLOADS, Request, Session, Streams, server_warmup  # noqa: E402
 
+from sgl_pic.integration.forward_timer import MODES  # noqa: E402
+
+FORWARD_METRIC = "sgl_pic_forward_seconds_total"
+
 DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 SERVER_ARGS = (
     "--pic-device-cache-fraction 0.25 --pic-host-cache-mb 256 --pic-disk-cache-dir '' "
-    "--enable-cache-report"
+    "--enable-cache-report --enable-metrics"
 )
 AUTO = "tool,document,user,assistant"
 PASSAGE_TOKENS = 120  # passages are cut to this many tokens
@@ -305,6 +317,14 @@ def pic_figures(d: dict[str, float]) -> dict[str, Any]:
     }
 
 
+def forward_seconds(d: dict[str, float]) -> dict[str, float]:
+    """Seconds of the run's forwards by kind, from a /metrics delta; a server that does not
+    export them fails the run (the ideal cannot be built without them)."""
+    if not any(k.startswith(FORWARD_METRIC + "{") for k in d):
+        raise RuntimeError(f"the server exports no {FORWARD_METRIC} (needs --enable-metrics)")
+    return {m: metric(d, FORWARD_METRIC, mode=m) for m in MODES}
+
+
 def first_token_only(sessions: list[Session]) -> list[Session]:
     """The sessions with one output token per request (both forms)."""
 
@@ -334,6 +354,8 @@ def warm_up(client: Client, reqs: list[Request]) -> float:
 def config_flags(server_args: str, config: str) -> list[str]:
     """The server flags of one configuration, on top of ``server_args``."""
     flags = shlex.split(server_args)
+    if "--enable-metrics" not in flags:
+        flags.append("--enable-metrics")  # the forward seconds the ideal is built from
     if config.startswith("prefix_caching"):
         return [*flags, "--pic-disable"]
     flags += ["--pic-auto-chunk", AUTO]
@@ -467,7 +489,9 @@ def finish(
     batches, batch_tokens = client.prefill_batches()
     res["prefill_batches"] = batches
     res["tokens_per_prefill_batch"] = batch_tokens / max(batches, 1)
-    res["pic"] = pic_figures(delta(before, client.metrics())) if form == "pic" else None
+    d = delta(before, client.metrics())
+    res["forward_seconds"] = forward_seconds(d)
+    res["pic"] = pic_figures(d) if form == "pic" else None
     if form == "pic" and args.agreement:
         res["agreement"] = agreement(client, sessions, res, args.agreement, args.seed)
     reused = res["pic"]["reused_tokens"] if res["pic"] else 0.0
@@ -486,9 +510,14 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     base, pic = runs["prefix_caching"], runs["sgl_pic"]
     one_token = runs["prefix_caching_first_token"]
     work = pic["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
+    base_extend = base["forward_seconds"]["extend"] + base["forward_seconds"]["mixed"]
+    pic_extend = pic["forward_seconds"]["extend"] + pic["forward_seconds"]["mixed"]
+    # Prefix caching's run with its extend forwards shortened by the work ratio.
+    ideal_wall = base["wall_s"] - base_extend * (1 - work)
+    # The earlier ideal: decode as prefix caching's wall less its one-token replay's.
     decode_s = max(base["wall_s"] - one_token["wall_s"], 0.0)
-    ideal_wall = decode_s + one_token["wall_s"] * work
-    # The same ideal with decode taken inside the prefix-caching run alone: the share of its
+    replay_wall = decode_s + one_token["wall_s"] * work
+    # The same with decode taken inside the prefix-caching run alone: the share of its
     # requests' time after their first token (no second run's wall time in it).
     after_first = sum(r["latency"] - r["ttft"] for r in base["records"])
     decode_share = after_first / max(sum(r["latency"] for r in base["records"]), 1e-9)
@@ -503,11 +532,23 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         "ttft_paired_median_ratio": statistics.median(
             r["ttft"] / pic_ttft[(r["session"], r["turn"])] for r in base["records"]
         ),
-        "decode_share_of_base": decode_s / base["wall_s"],
+        "extend_share_of_base": base_extend / base["wall_s"],
         "ideal_prefill_speedup": 1 / max(work, 1e-9),
         "fraction_of_prefill_ideal": speedup * work,
         "ideal_speedup": base["wall_s"] / ideal_wall,
         "fraction_of_ideal": ideal_wall / pic["wall_s"],
+        # sgl-pic's extend seconds over the ideal's (prefix caching's, scaled by the work);
+        # its other seconds against prefix caching's (decode, and what is outside forwards).
+        "extend_over_ideal": pic_extend / max(base_extend * work, 1e-9),
+        "decode_over_base": pic["forward_seconds"]["decode"]
+        / max(base["forward_seconds"]["decode"], 1e-9),
+        "outside_forwards_s": {
+            c: runs[c]["wall_s"] - sum(runs[c]["forward_seconds"].values())
+            for c in ("prefix_caching", "sgl_pic")
+        },
+        "decode_share_of_base": decode_s / base["wall_s"],
+        "ideal_speedup_replay": base["wall_s"] / replay_wall,
+        "fraction_of_ideal_replay": replay_wall / pic["wall_s"],
         "decode_share_in_run": decode_share,
         "fraction_of_ideal_in_run_decode": proxy_wall / pic["wall_s"],
         # Where the gap to the ideal comes from, in tokens and forward sizes: what sgl-pic

@@ -5,7 +5,8 @@ in every process (scheduler included) and then applies the hooks. It is idempote
 ``python -m sgl_pic.launch_server`` may also call it where no entry point is installed.
 
 Every hook passes straight through to SGLang unless the ``sgl_pic`` backend was built in
-that process, so installing the plugin never changes a server that does not select it.
+that process, so installing the plugin never changes a server that does not select it. One
+hook only reads the clock, in every server (``forward_timer``: seconds in forwards by kind).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from sgl_pic.integration.forward_timer import FORWARD_TARGET, timed_forward
 from sgl_pic.integration.settings import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ def register() -> None:
     HookRegistry.register(TORCH_NATIVE_EXTEND, _torch_native_extend_hook, HookType.AROUND)
     HookRegistry.register(PREPARE_TARGET, _after_prepare_for_extend, HookType.AFTER)
     HookRegistry.register(ADMIT_TARGET, _admit_hook, HookType.AROUND)
+    HookRegistry.register(FORWARD_TARGET, timed_forward, HookType.AROUND)
 
 
 def build_tree_cache(ctx: Any) -> Any:

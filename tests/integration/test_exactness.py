@@ -47,16 +47,40 @@ KEYS = (
 DARIC_ALL = {"policy": "daric", "daric_n_avg": 4096.0}
 
 
+FORWARD = 'sgl_pic_forward_seconds_total{mode="%s"}'
+
+
 @pytest.fixture(scope="module")
-def vanilla_outputs() -> list[list[int]]:
-    with launch("--pic-disable") as server:
+def vanilla_run() -> tuple[list[list[int]], dict[str, float]]:
+    """Vanilla's outputs, and the /metrics series it moved (``forward_timer`` runs on
+    ``--pic-disable`` too: bench/workloads.py's ideal reads it there)."""
+    with launch("--pic-disable", "--enable-metrics") as server:
+        before = server.metrics()
         outs = []
         for names, question in CASES:
             toks, _ = chunked(names, question)
             r = server.generate(body(toks, None, n=16))
             assert r.status_code == 200, r.text
             outs.append(r.json()["output_ids"])
-        return outs
+        after = server.metrics()
+        return outs, {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+@pytest.fixture(scope="module")
+def vanilla_outputs(vanilla_run: tuple[list[list[int]], dict[str, float]]) -> list[list[int]]:
+    return vanilla_run[0]
+
+
+def test_vanilla_server_times_its_forwards_by_kind(
+    vanilla_run: tuple[list[list[int]], dict[str, float]],
+) -> None:
+    moved = vanilla_run[1]
+    # Three prompts prefilled, 16 tokens decoded each: both kinds of forward took time.
+    assert moved[FORWARD % "extend"] > 0.0, moved
+    assert moved[FORWARD % "decode"] > 0.0, moved
+    assert moved[FORWARD % "other"] == 0.0, moved
+    # Nothing of the chunk path exists on a vanilla server.
+    assert not any(k.startswith("sgl_pic_requests") for k in moved), moved
 
 
 @pytest.fixture(scope="module")

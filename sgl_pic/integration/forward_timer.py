@@ -1,0 +1,65 @@
+"""Seconds the model runner spends in its forwards, by kind: the Prometheus counter
+``sgl_pic_forward_seconds_total{mode="extend"|"mixed"|"decode"|"other"}``.
+
+Reuse shortens extend forwards and nothing else (decode, request handling and scheduling
+are the same with it or without), so the time a server spends in them bounds what reuse can
+gain; ``bench/workloads.py`` builds its ideal from it. SGLang's own
+``sglang:forward_execution_seconds_total`` times forwards with device events, which the CPU
+backend lacks.
+
+``plugin.register`` installs it in every server that loads the plugin, ``--pic-disable``
+included: it reads the clock and changes nothing. It reads the host's clock, so on an
+accelerator, where a forward returns once its kernels are queued, these are host seconds
+(use SGLang's device timer there, ``SGLANG_ENABLE_METRICS_DEVICE_TIMER``). A forward of
+sgl-pic's chunk path (assembly, phase 1, the probe, phase 2) is one extend forward here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# An AROUND hook on it sees every forward of the scheduler's model runner, extend and
+# decode alike, whichever attention backend planned it.
+FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+METRIC = "sgl_pic_forward_seconds"
+MODES = ("extend", "mixed", "decode", "other")
+
+_seconds: Any = None  # the Counter, made in the process that runs forwards (the scheduler)
+
+
+def mode_of(forward_batch: Any) -> str:
+    """The label of a forward: "decode", "mixed" (extend and decode rows together),
+    "extend", or "other" (idle, speculative steps SGLang counts as neither)."""
+    fm = getattr(forward_batch, "forward_mode", None)
+    if fm is None:
+        return "other"
+    if fm.is_decode():
+        return "decode"
+    if fm.is_mixed():
+        return "mixed"
+    return "extend" if fm.is_extend() else "other"
+
+
+def seconds_counter() -> Any:
+    """The counter, made on first use: SGLang sets PROMETHEUS_MULTIPROC_DIR before it
+    spawns the scheduler, so a counter made there is one /metrics reads."""
+    global _seconds
+    if _seconds is None:
+        from prometheus_client import Counter
+
+        _seconds = Counter(METRIC, "Seconds in model-runner forwards, by kind", ["mode"])
+        for mode in MODES:
+            _seconds.labels(mode=mode)  # every series present from the start, at 0
+    return _seconds
+
+
+def timed_forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
+    """AROUND hook on ``ModelRunner.forward``: SGLang's forward, its seconds counted by
+    kind, also when it raises."""
+    t0 = time.perf_counter()
+    try:
+        return original(runner, forward_batch, *args, **kw)
+    finally:
+        elapsed = time.perf_counter() - t0
+        seconds_counter().labels(mode=mode_of(forward_batch)).inc(elapsed)

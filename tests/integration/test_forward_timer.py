@@ -1,0 +1,64 @@
+"""``forward_timer``: each forward's seconds go to its kind's series, also when it raises;
+the forward's arguments and result pass through unchanged. Run in a subprocess: Prometheus
+names are global to a process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = """
+from types import SimpleNamespace
+from sgl_pic.integration.forward_timer import MODES, mode_of, seconds_counter, timed_forward
+
+class Mode:
+    def __init__(self, name):
+        self.name = name
+    def is_decode(self):
+        return self.name == "DECODE"
+    def is_mixed(self):
+        return self.name == "MIXED"
+    def is_extend(self):
+        return self.name in ("EXTEND", "MIXED")
+
+def batch(name):
+    return SimpleNamespace(forward_mode=Mode(name))
+
+def seconds():
+    return {m: seconds_counter().labels(mode=m)._value.get() for m in MODES}
+
+print([mode_of(batch(n)) for n in ("EXTEND", "MIXED", "DECODE", "IDLE")], mode_of(object()))
+calls = []
+def forward(runner, fb, *args, **kw):
+    calls.append((runner, fb, args, kw))
+    return "out"
+fb = batch("DECODE")
+assert seconds() == {m: 0.0 for m in MODES}
+print(timed_forward(forward, "runner", fb, 1, split_forward_count=2))
+print(calls == [("runner", fb, (1,), {"split_forward_count": 2})])
+after_decode = seconds()
+print(after_decode["decode"] > 0, [after_decode[m] for m in ("extend", "mixed", "other")])
+def failing(runner, fb):
+    raise ValueError("boom")
+try:
+    timed_forward(failing, "runner", forward_batch=batch("EXTEND"))
+except ValueError as e:
+    print("raised", e)
+after = seconds()
+same = seconds_counter() is seconds_counter()
+print(after["extend"] > 0, after["decode"] == after_decode["decode"], same)
+"""
+
+
+def test_seconds_go_to_the_forward_kind() -> None:
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [
+        "['extend', 'mixed', 'decode', 'other'] other",
+        "out",
+        "True",
+        "True [0.0, 0.0, 0.0]",
+        "raised boom",
+        "True True True",
+    ]
