@@ -16,8 +16,11 @@ sgl-pic's chunk path (assembly, phase 1, the probe, phase 2) is one extend forwa
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # An AROUND hook on it sees every forward of the scheduler's model runner, extend and
 # decode alike, whichever attention backend planned it.
@@ -26,6 +29,7 @@ METRIC = "sgl_pic_forward_seconds"
 MODES = ("extend", "mixed", "decode", "other")
 
 _seconds: Any = None  # the Counter, made in the process that runs forwards (the scheduler)
+_warned = False  # whether a failure to count was logged (once per process)
 
 
 def mode_of(forward_batch: Any) -> str:
@@ -62,4 +66,12 @@ def timed_forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **
         return original(runner, forward_batch, *args, **kw)
     finally:
         elapsed = time.perf_counter() - t0
-        seconds_counter().labels(mode=mode_of(forward_batch)).inc(elapsed)
+        try:
+            seconds_counter().labels(mode=mode_of(forward_batch)).inc(elapsed)
+        except Exception:
+            # A metric that cannot be written (its multiprocess file, say) must not stop
+            # the scheduler: SGLang ends the server when a scheduler raises.
+            global _warned
+            if not _warned:
+                _warned = True
+                logger.exception("sgl_pic: forward seconds not counted")

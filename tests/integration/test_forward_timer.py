@@ -62,3 +62,28 @@ def test_seconds_go_to_the_forward_kind() -> None:
         "raised boom",
         "True True True",
     ]
+
+
+FAILING_METRIC_SCRIPT = """
+from types import SimpleNamespace
+from sgl_pic.integration import forward_timer
+
+class Broken:
+    def labels(self, **kw):
+        raise OSError("no space left on device")
+
+forward_timer._seconds = Broken()
+fb = SimpleNamespace(forward_mode=None)
+print(forward_timer.timed_forward(lambda runner, fb: "out", "runner", fb))
+print(forward_timer.timed_forward(lambda runner, fb: "again", "runner", fb))
+"""
+
+
+def test_a_metric_that_cannot_be_written_does_not_stop_the_forward() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", FAILING_METRIC_SCRIPT], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["out", "again"]
+    # Logged once, not at every forward.
+    assert out.stderr.count("forward seconds not counted") == 1, out.stderr
