@@ -58,7 +58,10 @@ then (at f7bcfd9, rag_churn's sgl-pic with GDSF and then with LRU eviction did a
 same prefill work, 55.5k and 56.5k tokens, in 221 s and 199 s). ``--interleave N``
 runs the three configurations behind the ideal side by side instead (``run_interleaved``):
 all three servers up (those not serving paused), the stream sent to each in turn in blocks
-of at least N requests.
+of at least N requests. Each block also gets its own ideal, from that block of prefix
+caching, and ``fraction_of_ideal_blocks`` lists sgl-pic's fraction of it block by block
+(with their median): two runs of the same stream at 161bc09 gave agent 0.74 and 0.84 of
+the ideal, so the spread of one run's blocks says how much a single figure can be trusted.
 
 Before its stream every server runs ``--server-warmup`` plain requests at once, of the
 streams' size (``server_warmup``), and has its prefix tree flushed (``warm_up``): nothing
@@ -187,7 +190,7 @@ def run_stream(
     total = sum(len(s) for s in sessions)
     records: list[dict[str, Any]] = []
     windows = []
-    last = client.metrics()
+    first = last = client.metrics()
     upto = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -207,7 +210,18 @@ def run_stream(
                 last, upto = now, len(records)
         for f in futures:
             f.result()
-    return stream_figures(records, time.perf_counter() - t0, windows)
+    res = stream_figures(records, time.perf_counter() - t0, windows)
+    # ``last`` was scraped at the last completion: the whole stream's delta.
+    res["blocks"] = [block_figures(delta(first, last), records, res["wall_s"])]
+    return res
+
+
+def block_figures(d: dict[str, float], recs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """What one stream (or one block of an interleaved run) needs for its own ideal:
+    its wall time, its forward seconds and its prefill work (``finish``), from the
+    /metrics delta over it."""
+    work = sum(r["prompt"] - r["cached"] for r in recs) - metric(d, "sgl_pic_reused_tokens_total")
+    return {"wall_s": wall, "forward_seconds": forward_seconds(d), "prefill_work_tokens": work}
 
 
 def stream_figures(
@@ -468,7 +482,8 @@ def joined(parts: list[dict[str, Any]], blocks: list[list[Session]]) -> dict[str
         windows += [{**w, "completed": w["completed"] + done} for w in part["windows"]]
         first_session += len(block)
     res = stream_figures(records, sum(p["wall_s"] for p in parts), windows)
-    return {**res, "block_wall_s": [p["wall_s"] for p in parts]}
+    blocks = [b for p in parts for b in p["blocks"]]
+    return {**res, "block_wall_s": [p["wall_s"] for p in parts], "blocks": blocks}
 
 
 def stream_of(sessions: list[Session], config: str) -> list[Session]:
@@ -503,6 +518,18 @@ def finish(
     return res
 
 
+def extend_seconds(run: dict[str, Any]) -> float:
+    """Seconds of a run's (or block's) forwards that prefill: extend and mixed."""
+    return run["forward_seconds"]["extend"] + run["forward_seconds"]["mixed"]
+
+
+def ideal_wall_s(base: dict[str, Any], pic: dict[str, Any]) -> float:
+    """Prefix caching's wall time (a run's or a block's) with its extend forwards'
+    seconds scaled by the work ratio, sgl-pic's prefill work over its own."""
+    work = pic["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
+    return base["wall_s"] - extend_seconds(base) * (1 - work)
+
+
 def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     """The figures of one workload: throughput and TTFT ratios, the ideal speedups and the
     fractions of them reached (module docstring); for the churn check, the chunk hit rate
@@ -510,10 +537,15 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     base, pic = runs["prefix_caching"], runs["sgl_pic"]
     one_token = runs["prefix_caching_first_token"]
     work = pic["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
-    base_extend = base["forward_seconds"]["extend"] + base["forward_seconds"]["mixed"]
-    pic_extend = pic["forward_seconds"]["extend"] + pic["forward_seconds"]["mixed"]
-    # Prefix caching's run with its extend forwards shortened by the work ratio.
-    ideal_wall = base["wall_s"] - base_extend * (1 - work)
+    base_extend = extend_seconds(base)
+    pic_extend = extend_seconds(pic)
+    ideal_wall = ideal_wall_s(base, pic)
+    # Block by block (an interleaved run): each block's ideal from that block of prefix
+    # caching, against the same block of sgl-pic run next to it. Their spread is how far
+    # one block's figure moves on this machine; the whole run's is their pooled value.
+    block_fractions = [
+        ideal_wall_s(b, p) / p["wall_s"] for b, p in zip(base["blocks"], pic["blocks"], strict=True)
+    ]
     # The earlier ideal: decode as prefix caching's wall less its one-token replay's.
     decode_s = max(base["wall_s"] - one_token["wall_s"], 0.0)
     replay_wall = decode_s + one_token["wall_s"] * work
@@ -537,6 +569,8 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         "fraction_of_prefill_ideal": speedup * work,
         "ideal_speedup": base["wall_s"] / ideal_wall,
         "fraction_of_ideal": ideal_wall / pic["wall_s"],
+        "fraction_of_ideal_blocks": block_fractions,
+        "fraction_of_ideal_block_median": statistics.median(block_fractions),
         # sgl-pic's extend seconds over the ideal's (prefix caching's, scaled by the work);
         # its other seconds against prefix caching's (decode, and what is outside forwards).
         "extend_over_ideal": pic_extend / max(base_extend * work, 1e-9),
