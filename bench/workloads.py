@@ -218,11 +218,17 @@ def run_stream(
     return res
 
 
+def prefill_work(d: dict[str, float], recs: list[dict[str, Any]]) -> float:
+    """Prompt tokens computed over ``recs``: neither in SGLang's cached prefix nor reused
+    chunk tokens (the /metrics delta ``d`` over them; none on ``--pic-disable``)."""
+    return sum(r["prompt"] - r["cached"] for r in recs) - metric(d, "sgl_pic_reused_tokens_total")
+
+
 def block_figures(d: dict[str, float], recs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     """What one stream (or one block of an interleaved run) needs for its own ideal:
-    its wall time, its forward seconds and its prefill work (``finish``), from the
-    /metrics delta over it."""
-    work = sum(r["prompt"] - r["cached"] for r in recs) - metric(d, "sgl_pic_reused_tokens_total")
+    its wall time, its forward seconds and its prefill work, from the /metrics delta
+    over it."""
+    work = prefill_work(d, recs)
     return {"wall_s": wall, "forward_seconds": forward_seconds(d), "prefill_work_tokens": work}
 
 
@@ -511,8 +517,7 @@ def finish(
     res["pic"] = pic_figures(d) if form == "pic" else None
     if form == "pic" and args.agreement:
         res["agreement"] = agreement(client, sessions, res, args.agreement, args.seed)
-    reused = res["pic"]["reused_tokens"] if res["pic"] else 0.0
-    res["prefill_work_tokens"] = res["prompt_tokens"] - res["prefix_cached_tokens"] - reused
+    res["prefill_work_tokens"] = prefill_work(d, res["records"])
     res["token_reuse_rate"] = 1 - res["prefill_work_tokens"] / max(res["prompt_tokens"], 1)
     res["config"] = config
     shown = {k: v for k, v in res.items() if k not in ("records", "windows", "agreement")}
