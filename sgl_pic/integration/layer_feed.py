@@ -37,6 +37,7 @@ import torch
 
 from sgl_pic.integration.kv_access import KVAccess
 from sgl_pic.store.loader import ChunkPlacement, FetchedLayer, LoadedLayer, SparseLoader
+from sgl_pic.worker_threads import start_thread
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +192,7 @@ class LayerFeed:
 
     def start(self) -> None:
         if self.mode == "threaded" and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="sgl-pic-feed", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._run, "sgl-pic-feed")
 
     def _run(self) -> None:
         try:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from sgl_pic.integration.metrics import PicMetrics
+from sgl_pic.worker_threads import thread_pool
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Promoter:
             self.metrics.queue_drops.labels(queue="promotion").inc()
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-pic-promote")
+            self._pool = thread_pool(1, "sgl-pic-promote")
         job = self._pool.submit(self.load_full, hit, chunk_ids)
         self._jobs[chunk_ids] = (job, ranking, self.nodes.generation)
 

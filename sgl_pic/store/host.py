@@ -22,6 +22,7 @@ from sgl_pic.store.base import (
 )
 from sgl_pic.store.eviction import BoundedStore, check_policy
 from sgl_pic.store.format import WriteCancelled
+from sgl_pic.worker_threads import start_thread
 
 WRITE_BACK_MODES: tuple[str, ...] = ("on_put", "on_evict")
 
@@ -294,8 +295,7 @@ class WriteBack:
         self._counts: Counter[str] = Counter()
         self._closed = False  # intake stopped (submit drops)
         self._stopping = False  # the thread exits once the queue is empty
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, name)
 
     def submit(self, job: Callable[[], object]) -> bool:
         """Queue ``job``; False (counted as dropped) when the queue is full or shut down.

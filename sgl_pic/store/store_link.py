@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 from sgl_pic.store.object_backend import BackendUnavailable, ObjectBackend
+from sgl_pic.worker_threads import start_thread, thread_pool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,11 +81,8 @@ class StoreLink:
         # Calls inside the client now: ``close`` must not free it under one of them.
         self._active = 0
         self._idle = threading.Condition(self._lock)
-        self._pool = cf.ThreadPoolExecutor(config.workers, thread_name_prefix="sgl-pic-shared")
-        self._connector = threading.Thread(
-            target=self._connect_loop, daemon=True, name="sgl-pic-shared-connect"
-        )
-        self._connector.start()
+        self._pool = thread_pool(config.workers, "sgl-pic-shared")
+        self._connector = start_thread(self._connect_loop, "sgl-pic-shared-connect")
 
     def _connect_loop(self) -> None:
         while not self._closed.is_set():
@@ -127,9 +125,7 @@ class StoreLink:
             start_probe = self._connected and not self._probing
             self._probing = self._probing or start_probe
         if start_probe:
-            threading.Thread(
-                target=self._probe_loop, daemon=True, name="sgl-pic-shared-probe"
-            ).start()
+            start_thread(self._probe_loop, "sgl-pic-shared-probe")
         if was_up or first:
             logger.warning(
                 "sgl_pic: shared store %s unreachable (%s); serving from this server's own "

@@ -275,6 +275,30 @@ def test_worker_stays_at_most_depth_layers_ahead(setup) -> None:
         feed.close()
 
 
+class ThreadCountLoader(CountingLoader):
+    def __init__(self, store: TieredStore) -> None:
+        super().__init__(store)
+        self.threads: set[int] = set()
+
+    def fetch_layer(self, chunks, layer: int) -> FetchedLayer:  # noqa: ANN001
+        self.threads.add(torch.get_num_threads())
+        return super().fetch_layer(chunks, layer)
+
+
+def test_worker_loads_confined_to_its_own_thread(setup) -> None:
+    # Loads overlap the forward: they must not bring up an OpenMP team of their own.
+    loader = ThreadCountLoader(setup.store)
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed = setup.feed("threaded", pool, loader=loader)
+    feed.start()
+    try:
+        for layer in range(LAYERS):
+            feed.before_layer(layer)
+    finally:
+        feed.close()
+    assert loader.threads == {1}
+
+
 def test_inorder_fetches_on_demand(setup) -> None:
     loader = CountingLoader(setup.store)
     feed = setup.feed("inorder", FakePool(POOL, LAYERS, HEADS, DIM), loader=loader)

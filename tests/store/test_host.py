@@ -298,3 +298,12 @@ def test_config_validation():
         HostStoreConfig(capacity_bytes=-1)
     with pytest.raises(ValueError, match="valid"):
         HostStoreConfig(capacity_bytes=1, write_back="sometimes")
+
+
+def test_write_back_jobs_run_confined_to_their_thread():
+    # The worker's torch ops must not bring up an OpenMP team beside the forward's.
+    seen: list[int] = []
+    wb = WriteBack(WriteBackConfig())
+    assert wb.submit(lambda: seen.append(torch.get_num_threads()))
+    wb.close()
+    assert seen == [1]
