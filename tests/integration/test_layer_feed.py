@@ -138,8 +138,10 @@ def feed_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "sgl-pic-feed"}
 
 
-def run(s: Setup, mode: str, pool: FakePool, depth: int = 2) -> LayerFeed:
-    feed = s.feed(mode, pool, depth)
+def run(
+    s: Setup, mode: str, pool: FakePool, depth: int = 2, loader: SparseLoader | None = None
+) -> LayerFeed:
+    feed = s.feed(mode, pool, depth, loader=loader)
     before = feed_threads()
     feed.start()
     workers = feed_threads() - before
@@ -288,14 +290,7 @@ class ThreadCountLoader(CountingLoader):
 def test_worker_loads_confined_to_its_own_thread(setup) -> None:
     # Loads overlap the forward: they must not bring up an OpenMP team of their own.
     loader = ThreadCountLoader(setup.store)
-    pool = FakePool(POOL, LAYERS, HEADS, DIM)
-    feed = setup.feed("threaded", pool, loader=loader)
-    feed.start()
-    try:
-        for layer in range(LAYERS):
-            feed.before_layer(layer)
-    finally:
-        feed.close()
+    run(setup, "threaded", FakePool(POOL, LAYERS, HEADS, DIM), loader=loader)
     assert loader.threads == {1}
 
 
