@@ -60,15 +60,46 @@ class ProbeDone(Exception):
     """Ends a deviation pass once its probe has caught layer ``layer``'s K/V."""
 
 
+class QueryBlock(NamedTuple):
+    """Queries start..end-1 of a group (offsets among its queries) against its first
+    ``keys`` keys. mask: # [end - start, keys] bool, the keys each query sees, or None
+    where every key has its query (plain causal attention)."""
+
+    start: int
+    end: int
+    keys: int
+    mask: torch.Tensor | None
+
+
 class AttnGroup(NamedTuple):
     """q_start, q_end: rows of this group's queries in the forward's token batch.
     key_slots: # [n_k] int64 KV-pool slots of the keys, in position order.
-    q_index:   # [q_end - q_start] int64 index of each query among the keys."""
+    q_index:   # [q_end - q_start] int64 index of each query among the keys.
+    blocks:    how its queries are attended (``query_blocks``): built with the group, once
+               per forward, since every layer attends the same way."""
 
     q_start: int
     q_end: int
     key_slots: torch.Tensor
     q_index: torch.Tensor
+    blocks: tuple[QueryBlock, ...]
+
+
+def query_blocks(q_index: torch.Tensor, num_keys: int) -> tuple[QueryBlock, ...]:  # [nq]
+    """One causal block when every key has its query; otherwise blocks of
+    ``_QUERY_BLOCK`` queries, each against only the keys it can see. A full [nq, nk]
+    boolean mask sends SDPA down its slow path on the CPU (about 7x slower at 2k tokens),
+    and the causal cut skips keys no query of the block reaches."""
+    n = q_index.numel()
+    if n == num_keys and bool((q_index == torch.arange(n, device=q_index.device)).all()):
+        return (QueryBlock(0, n, n, None),)
+    key_pos = torch.arange(num_keys, device=q_index.device)
+    blocks = []
+    for s in range(0, n, _QUERY_BLOCK):
+        qi = q_index[s : s + _QUERY_BLOCK]
+        hi = int(qi.max()) + 1
+        blocks.append(QueryBlock(s, s + qi.numel(), hi, key_pos[None, :hi] <= qi[:, None]))
+    return tuple(blocks)
 
 
 def grouped_forward_extend(
@@ -94,41 +125,21 @@ def grouped_forward_extend(
     gqa = layer.tp_q_head_num != layer.tp_k_head_num
     for g in groups:
         qg = q_[g.q_start : g.q_end].transpose(0, 1)  # [H, nq, D]
-        kg = k_cache[g.key_slots].transpose(0, 1).to(qg.dtype)  # [Hk, nk, D]
-        vg = v_cache[g.key_slots].transpose(0, 1).to(qg.dtype)
-        nk = g.key_slots.numel()
-        if g.q_end - g.q_start == nk and bool(
-            (g.q_index == torch.arange(nk, device=g.q_index.device)).all()
-        ):
-            # Every key has its query (phase 1, or a prompt recomputed in full): plain causal
-            # attention, which takes SDPA's fused kernels instead of a materialised mask.
+        # index_select copies whole rows; indexing with the slot tensor takes the generic
+        # gather, 2-3x slower on these rows (``bench/row_gather.py``), once per layer.
+        kg = k_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)  # [Hk, nk, D]
+        vg = v_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)
+        for blk in g.blocks:
             out = scaled_dot_product_attention(
-                qg.unsqueeze(0),
-                kg.unsqueeze(0),
-                vg.unsqueeze(0),
-                is_causal=True,
+                qg[:, blk.start : blk.end].unsqueeze(0),
+                kg[:, : blk.keys].unsqueeze(0),
+                vg[:, : blk.keys].unsqueeze(0),
+                attn_mask=blk.mask,
+                is_causal=blk.mask is None,
                 scale=layer.scaling,
                 enable_gqa=gqa,
             )
-            o[g.q_start : g.q_end] = out.squeeze(0).transpose(0, 1)
-            continue
-        # Scattered queries: blocks of queries against only the keys they can see. A full
-        # [nq, nk] boolean mask sends SDPA down its slow path on the CPU (about 7x slower at
-        # 2k tokens), and the causal cut skips keys no query of the block reaches.
-        q_index = g.q_index.to(qg.device)
-        key_pos = torch.arange(nk, device=qg.device)
-        for s in range(0, q_index.numel(), _QUERY_BLOCK):
-            qi = q_index[s : s + _QUERY_BLOCK]
-            hi = int(qi.max()) + 1
-            out = scaled_dot_product_attention(
-                qg[:, s : s + _QUERY_BLOCK].unsqueeze(0),
-                kg[:, :hi].unsqueeze(0),
-                vg[:, :hi].unsqueeze(0),
-                attn_mask=key_pos[None, :hi] <= qi[:, None],
-                scale=layer.scaling,
-                enable_gqa=gqa,
-            )
-            rows = slice(g.q_start + s, g.q_start + s + qi.numel())
+            rows = slice(g.q_start + blk.start, g.q_start + blk.end)
             o[rows] = out.squeeze(0).transpose(0, 1)
     return o.view(q_.shape[0], num_heads * v_dim)
 
@@ -161,7 +172,8 @@ def row_groups(
         )
         seq = max(prefix_lens[j] + extend_lens[j] for j in range(b, e + 1))
         n = q_index.numel()
-        groups.append(AttnGroup(row, row + n, req_to_token[idx, :seq].to(torch.int64), q_index))
+        slots = req_to_token[idx, :seq].to(torch.int64)
+        groups.append(AttnGroup(row, row + n, slots, q_index, query_blocks(q_index, seq)))
         row += n
         b = e + 1
     return groups

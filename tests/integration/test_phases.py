@@ -31,13 +31,14 @@ HEADS, KV_HEADS, DIM, SLOTS = 4, 2, 16, 256
 
 
 class Env:
-    """A request table with two prompts (rows 1 and 2) over shuffled pool slots."""
+    """A request table with two prompts (rows 1 and 2, ``lengths`` tokens) over shuffled
+    pool slots."""
 
-    def __init__(self) -> None:
+    def __init__(self, lengths: tuple[int, int] = (60, 40), slots: int = SLOTS) -> None:
         g = torch.Generator().manual_seed(0)
-        self.req_pool = ReqToTokenPool(8, 128, "cpu", False)
+        self.req_pool = ReqToTokenPool(8, max(128, *lengths), "cpu", False)
         self.pool = MHATokenToKVPool(
-            size=SLOTS,
+            size=slots,
             page_size=1,
             dtype=torch.float32,
             head_num=KV_HEADS,
@@ -46,10 +47,11 @@ class Env:
             device="cpu",
             enable_memory_saver=False,
         )
-        perm = torch.randperm(SLOTS - 1, generator=g)[:100] + 1
+        a, b = lengths
+        perm = torch.randperm(slots - 1, generator=g)[: a + b] + 1
         self.rows = self.req_pool.alloc_rows(2)
-        self.req_pool.req_to_token[self.rows[0], :60] = perm[:60].int()
-        self.req_pool.req_to_token[self.rows[1], :40] = perm[60:100].int()
+        self.req_pool.req_to_token[self.rows[0], :a] = perm[:a].int()
+        self.req_pool.req_to_token[self.rows[1], :b] = perm[a:].int()
         kb = self.pool.get_key_buffer(0)
         kb[:] = torch.randn(kb.shape, generator=g)
         vb = self.pool.get_value_buffer(0)
@@ -161,13 +163,32 @@ def test_the_backend_plans_the_phase_batch() -> None:
 
 def test_torch_native_phase_extend_equals_sglangs_loop() -> None:
     env = Env()
-    phase = build_phase_batch(
-        env.live(), subrequests(env), torch.arange(36), env.req_pool.req_to_token, None
-    )
+    check_against_sglang(env, subrequests(env))
+
+
+def test_phase_extend_over_several_blocks_and_a_whole_prompt() -> None:
+    # Row 0: 300 keys, 200 scattered queries in runs (two query blocks); row 1: a prompt
+    # computed from position 0, every key with its query (plain causal attention).
+    env = Env(lengths=(300, 30), slots=512)
+    subs = [SubRequest(env.rows[0], a, 4) for a in range(0, 240, 6)]
+    subs += [SubRequest(env.rows[0], 240, 40), SubRequest(env.rows[1], 0, 30)]
+    built = check_against_sglang(env, subs)
+    scattered, whole = built
+    assert [(b.start, b.end) for b in scattered.blocks] == [(0, 128), (128, 200)]
+    assert scattered.blocks[0].keys == int(scattered.q_index[127]) + 1
+    assert all(b.mask is not None for b in scattered.blocks)
+    assert [(b.start, b.end, b.keys, b.mask) for b in whole.blocks] == [(0, 30, 30, None)]
+
+
+def check_against_sglang(env: Env, subs: list[SubRequest]) -> list[Any]:
+    """torch_native_phase_extend over ``subs`` equals SGLang's loop: the same output and the
+    same K/V written; the groups it used (built once for every layer) are returned."""
+    n = sum(s.extend for s in subs)
+    phase = build_phase_batch(env.live(), subs, torch.arange(n), env.req_pool.req_to_token, None)
     fb = phase.forward_batch
-    q = torch.randn(36, HEADS * DIM, generator=env.g)
-    k = torch.randn(36, KV_HEADS, DIM, generator=env.g)
-    v = torch.randn(36, KV_HEADS, DIM, generator=env.g)
+    q = torch.randn(n, HEADS * DIM, generator=env.g)
+    k = torch.randn(n, KV_HEADS, DIM, generator=env.g)
+    v = torch.randn(n, KV_HEADS, DIM, generator=env.g)
     k_before = env.pool.get_key_buffer(0).clone()
     env.backend.init_forward_metadata(fb)
     runner = PhaseRunner(env.backend, env.req_pool.req_to_token, None, env.req_pool)
@@ -189,6 +210,7 @@ def test_torch_native_phase_extend_equals_sglangs_loop() -> None:
     # Both wrote the new K/V to the runs' slots before attending.
     torch.testing.assert_close(ours_k, env.pool.get_key_buffer(0))
     torch.testing.assert_close(env.pool.get_key_buffer(0)[fb.out_cache_loc], k)
+    return groups
 
 
 def test_row_groups_join_runs_of_one_row() -> None:
