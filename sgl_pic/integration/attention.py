@@ -126,7 +126,7 @@ def grouped_forward_extend(
     for g in groups:
         qg = q_[g.q_start : g.q_end].transpose(0, 1)  # [H, nq, D]
         # index_select copies whole rows; indexing with the slot tensor takes the generic
-        # gather, 2-3x slower on these rows (``bench/row_gather.py``), once per layer.
+        # gather, about 3x slower on these rows (``bench/results/row_gather.json``).
         kg = k_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)  # [Hk, nk, D]
         vg = v_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)
         for blk in g.blocks:
