@@ -23,7 +23,6 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -82,14 +81,12 @@ def confine_torch_threads() -> bool:
     return False
 
 
-def start_thread(
-    target: Callable[..., object], name: str, args: tuple[Any, ...] = ()
-) -> threading.Thread:
-    """A started daemon thread running ``target(*args)`` after ``confine_torch_threads``."""
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """A started daemon thread running ``target()`` after ``confine_torch_threads``."""
 
     def run() -> None:
         confine_torch_threads()
-        target(*args)
+        target()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
