@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,13 +36,23 @@ from sgl_pic.worker_threads import confine_torch_threads  # noqa: E402
 CONDITIONS = ("alone", "beside_unconfined", "beside_confined")
 
 
+class LoopTime(NamedTuple):
+    seconds: float
+    context_switches: int
+
+
+class IdleThread(NamedTuple):
+    thread: threading.Thread
+    release: threading.Event  # set: the thread returns
+
+
 def context_switches() -> int:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_nvcsw + r.ru_nivcsw
 
 
-def decode_loop(steps: int) -> tuple[float, int]:
-    """(seconds, context switches) of ``steps`` rounds of decode-sized ops."""
+def decode_loop(steps: int) -> LoopTime:
+    """The seconds and context switches of ``steps`` rounds of decode-sized ops."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 576, generator=g)  # [tokens, hidden]
     w = torch.randn(576, 1536, generator=g)  # [hidden, intermediate]
@@ -51,10 +62,10 @@ def decode_loop(steps: int) -> tuple[float, int]:
     for _ in range(steps):
         torch.nn.functional.silu(x @ w)
         kv.index_select(0, rows).mul_(1.0001)
-    return time.perf_counter() - t0, context_switches() - c0
+    return LoopTime(time.perf_counter() - t0, context_switches() - c0)
 
 
-def idle_thread(confined: bool) -> tuple[threading.Thread, threading.Event]:
+def idle_thread(confined: bool) -> IdleThread:
     """A started thread that ran one parallel-sized op and now waits for its event."""
     release, ready = threading.Event(), threading.Event()
 
@@ -68,10 +79,10 @@ def idle_thread(confined: bool) -> tuple[threading.Thread, threading.Event]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     ready.wait()
-    return thread, release
+    return IdleThread(thread, release)
 
 
-def measure(condition: str, steps: int) -> tuple[float, int]:
+def measure(condition: str, steps: int) -> LoopTime:
     if condition == "alone":
         return decode_loop(steps)
     thread, release = idle_thread(confined=condition == "beside_confined")
@@ -95,8 +106,7 @@ def main() -> None:
     for _ in range(args.rounds):
         row = {}
         for c in CONDITIONS:
-            seconds, switches = measure(c, args.steps)
-            row[c] = {"seconds": seconds, "context_switches": switches}
+            row[c] = measure(c, args.steps)._asdict()
         rounds.append(row)
     ratios = {
         c: statistics.median(r[c]["seconds"] / r["alone"]["seconds"] for r in rounds)
