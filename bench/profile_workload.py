@@ -10,6 +10,15 @@ and phase 2 tokens, ``sgl_pic_encoded_tokens_total`` and ``..._recomputed_tokens
 the buckets give a cost per computed
 token, which says which part of the forward sgl-pic pays more for than SGLang does.
 
+``extend_parts`` puts that against the ideal of ``bench/workloads.py``: each part's
+seconds in sgl-pic's extend forwards (all stages together; assembly and the query probe
+also on their own) next to prefix caching's seconds of that part scaled by the ratio of
+computed tokens, which is what the part would cost at SGLang's per-token rate.
+``keys_per_query`` is the attention work per computed token: keys each query attends (a
+query at position p attends p + 1), averaged over prefix caching's computed tokens (from
+each request's prompt and cached lengths) and over each phase's tokens
+(``sgl_pic_phase_attended_keys_total`` over ``sgl_pic_phase_forward_tokens_total``).
+
 Needs ``py-spy`` (``pip install py-spy``; not a project dependency). Results:
 ``bench/results/profile_<workload>.json`` with the commit and dirty flag.
 """
@@ -102,7 +111,18 @@ def profile(
         spy.send_signal(signal.SIGINT)
         spy.wait(timeout=300)
     computed = res["prompt_tokens"] - res["prefix_cached_tokens"]
+    # SGLang's extend: each request's tokens past its cached prefix.
+    keys = sum(
+        r["prompt"] * (r["prompt"] + 1) // 2 - r["cached"] * (r["cached"] + 1) // 2
+        for r in res["records"]
+    )
+    keys_per_query = {"extend": keys / max(computed, 1)}
     if form == "pic":
+        keys_per_query = {
+            p: metric(d, "sgl_pic_phase_attended_keys_total", phase=p)
+            / max(metric(d, "sgl_pic_phase_forward_tokens_total", phase=p), 1)
+            for p in ("phase1", "probe", "phase2")
+        }
         # Phase 1 runs the missed chunks' tokens, phase 2 the recomputed ones (some of the
         # former again); requests that ran without reuse count as SGLang's extend does.
         computed = int(
@@ -116,8 +136,28 @@ def profile(
         "prompt_tokens": res["prompt_tokens"],
         "prefix_cached_tokens": res["prefix_cached_tokens"],
         "computed_tokens": computed,
+        "keys_per_query": keys_per_query,
         "seconds": seconds_by_bucket(raw),
     }
+
+
+def extend_parts(base: dict[str, Any], pic: dict[str, Any]) -> dict[str, Any]:
+    """Each part of sgl-pic's extend forwards against the same part of prefix caching's,
+    scaled by the computed tokens (module docstring); seconds."""
+    work = pic["computed_tokens"] / max(base["computed_tokens"], 1)
+    parts = [p for p, _ in PARTS] + ["other"]
+    out: dict[str, Any] = {"work_ratio": work}
+    for part in parts:
+        mine = sum(v for k, v in pic["seconds"].items() if k.split(".")[-1] == part and "." in k)
+        ideal = base["seconds"].get(f"sglang_extend.{part}", 0.0) * work
+        out[part] = {"sgl_pic_s": round(mine, 2), "ideal_s": round(ideal, 2)}
+    out["assemble"] = {"sgl_pic_s": pic["seconds"].get("assemble", 0.0), "ideal_s": 0.0}
+    probe = sum(v for k, v in pic["seconds"].items() if k.startswith("probe."))
+    out["of_which_probe_s"] = round(probe, 2)
+    total = sum(v for k, v in pic["seconds"].items() if "." in k or k == "assemble")
+    base_total = sum(v for k, v in base["seconds"].items() if k.startswith("sglang_extend."))
+    out["total"] = {"sgl_pic_s": round(total, 2), "ideal_s": round(base_total * work, 2)}
+    return out
 
 
 def main() -> None:
@@ -144,6 +184,11 @@ def main() -> None:
         ms = {k: 1000 * v / max(r["computed_tokens"], 1) for k, v in r["seconds"].items()}
         r["ms_per_computed_token"] = ms
         print(config, json.dumps({k: round(v, 3) for k, v in ms.items()}), flush=True)
+    report["extend_parts"] = extend_parts(report["prefix_caching"], report["sgl_pic"])
+    print("extend parts", json.dumps(report["extend_parts"]), flush=True)
+    for config in ("prefix_caching", "sgl_pic"):
+        kpq = {k: round(v, 1) for k, v in report[config]["keys_per_query"].items()}
+        print(config, "keys per query", kpq, flush=True)
     out = Path(args.out or ROOT / "bench" / "results" / f"profile_{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -44,7 +44,14 @@ from sgl_pic.integration.kv_access import KVAccess, single_thread
 from sgl_pic.integration.layer_feed import FeedTimeout, LayerFeed, MissingChunkError
 from sgl_pic.integration.lower_tiers import LowerTiers
 from sgl_pic.integration.metrics import PicMetrics
-from sgl_pic.integration.phases import PhaseBatch, PhaseRunner, Run, SubRequest, runs_of
+from sgl_pic.integration.phases import (
+    PhaseBatch,
+    PhaseRunner,
+    Run,
+    SubRequest,
+    attended_keys,
+    runs_of,
+)
 from sgl_pic.integration.planner import ChunkLookup, RequestPlan
 from sgl_pic.integration.promoter import Promoter
 from sgl_pic.integration.query_probe import ProbeCut, QueryProbe
@@ -607,6 +614,7 @@ class ChunkExecutor:
         self.metrics.phase_forwards.labels(phase=kind).inc()
         tokens = sum(sub.extend for sub in phase.subrequests)
         self.metrics.phase_forward_tokens.labels(phase=kind).inc(tokens)
+        self.metrics.phase_attended_keys.labels(phase=kind).inc(attended_keys(phase.subrequests))
         return self.phases.run(stack, phase)
 
     def _count_loaded(self, feed: LayerFeed) -> None:

@@ -161,6 +161,15 @@ class PicMetrics:
             "first layers)",
             ["phase"],
         )
+        # Recomputed tokens lie late in the prompt (the question reads recent chunks most),
+        # so each attends more keys than an average prompt token: attention costs more per
+        # computed token than in a whole-prompt prefill.
+        self.phase_attended_keys = Counter(
+            "sgl_pic_phase_attended_keys",
+            "Keys the queries of those forwards attend, summed, by phase (a query at position "
+            "p attends p + 1); over phase_forward_tokens: keys per query",
+            ["phase"],
+        )
         self.run_merges = Counter(
             "sgl_pic_run_merges",
             "Times phase-2 runs were merged across a wider gap to fit the backend's batch",

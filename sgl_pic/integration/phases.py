@@ -47,6 +47,13 @@ class SubRequest(NamedTuple):
     extend: int
 
 
+def attended_keys(subs: Sequence[SubRequest]) -> int:
+    """Keys the queries of ``subs`` attend, summed: a query at position p sees its row's
+    first p + 1 keys. Over the number of queries it is the attention work per computed
+    token, which for a prompt prefilled whole is (len + 1) / 2."""
+    return sum(s.extend * s.prefix + s.extend * (s.extend + 1) // 2 for s in subs)
+
+
 class PhaseBatch(NamedTuple):
     """What the attention backend is given for one phase forward (checked by tests)."""
 

@@ -25,7 +25,13 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from sgl_pic.integration.attention import row_groups, torch_native_phase_extend
-from sgl_pic.integration.phases import PhaseRunner, SubRequest, build_phase_batch, runs_of
+from sgl_pic.integration.phases import (
+    PhaseRunner,
+    SubRequest,
+    attended_keys,
+    build_phase_batch,
+    runs_of,
+)
 
 HEADS, KV_HEADS, DIM, SLOTS = 4, 2, 16, 256
 
@@ -227,6 +233,15 @@ def test_row_groups_join_runs_of_one_row() -> None:
         (16, 36, 40),
     ]
     assert groups[0].q_index.tolist() == list(range(3, 8)) + [20] + list(range(50, 60))
+
+
+def test_attended_keys_count_each_querys_visible_keys() -> None:
+    # A whole prompt of 4: 1 + 2 + 3 + 4. Positions 10..11 of a row: 11 + 12. Position 0: 1.
+    subs = [SubRequest(1, 0, 4), SubRequest(2, 10, 2), SubRequest(2, 0, 1)]
+    assert attended_keys(subs) == 10 + 23 + 1
+    by_query = sum(p + 1 for s in subs for p in range(s.prefix, s.prefix + s.extend))
+    assert attended_keys(subs) == by_query
+    assert attended_keys([]) == 0
 
 
 def test_runs_cover_the_selection() -> None:

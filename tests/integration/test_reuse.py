@@ -202,6 +202,7 @@ def test_phase_forwards_are_counted_with_their_tokens(server: Server) -> None:
     phases = ("phase1", "probe", "deviation", "phase2")
     fwd = {p: f'sgl_pic_phase_forwards_total{{phase="{p}"}}' for p in phases}
     tok = {p: f'sgl_pic_phase_forward_tokens_total{{phase="{p}"}}' for p in phases}
+    keys = {p: f'sgl_pic_phase_attended_keys_total{{phase="{p}"}}' for p in phases}
     # Chunk text no other test sends: every chunk misses, whatever ran before.
     docs = [f"Ibex ledger {i}: the ferry from Oskarn leaves at {7 + i} each day.\n" for i in (1, 2)]
     toks, spans = ids("Ibex memo.\n"), []
@@ -213,7 +214,8 @@ def test_phase_forwards_are_counted_with_their_tokens(server: Server) -> None:
     r = server.generate(body(toks, spans, n=1, policy="query_aware"))
     assert r.status_code == 200, r.text
     after = server.metrics()
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in [*fwd.values(), *tok.values()]}
+    counted = [*fwd.values(), *tok.values(), *keys.values()]
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in counted}
     encoded = after[ENCODED] - before.get(ENCODED, 0.0)
     recomputed = "sgl_pic_recomputed_tokens_total"
     assert encoded == sum(e - s for s, e in spans)
@@ -226,6 +228,13 @@ def test_phase_forwards_are_counted_with_their_tokens(server: Server) -> None:
     assert d[tok["phase1"]] == encoded
     assert d[tok["phase2"]] == after[recomputed] - before.get(recomputed, 0.0)
     assert 0 < d[tok["probe"]] <= d[tok["phase2"]]
+    # Phase 1 encodes each chunk on its own from position 0. Phase 2's queries are
+    # distinct positions of the prompt, the last token (which sees every key) among them.
+    assert d[keys["phase1"]] == sum((e - s) * (e - s + 1) // 2 for s, e in spans)
+    t2, n = int(d[tok["phase2"]]), len(toks)
+    assert t2 * (t2 + 1) // 2 <= d[keys["phase2"]] <= t2 * n
+    assert d[keys["phase2"]] >= n
+    assert d[keys["deviation"]] == 0
 
 
 def _batches_of_three(server: Server) -> int:
