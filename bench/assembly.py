@@ -3,17 +3,24 @@
     python bench/assembly.py [--out bench/results/assembly.json] [--rounds 15]
 
 Assembly copies each chunk that the device tier holds from its chunk node's pool slots
-into the request's own slots, keys re-rotated to the chunk's place. Two ways, timed side
-by side in one run, rounds interleaved so that machine noise falls on both:
+into the request's own slots, keys re-rotated to the chunk's place
+(``KVAccess.copy_rotated``, all the batch's hits in one call, one layer at a time). Two
+ways, timed side by side in one run, rounds interleaved so that machine noise falls on
+both:
 
-- ``per_hit``: one copy per chunk of all layers at once (``KVAccess.read``, a rotation
-  of every layer's keys, ``write_rotated``), as assembly ran before ``copy_rotated``;
-- ``batched``: ``KVAccess.copy_rotated`` over all the batch's hits, one layer at a time.
+- ``gathered``: every row gathered (``index_select``), keys rotated, rows scattered
+  (``index_copy_``), as ``copy_rotated`` ran up to 985911b;
+- ``slices``: runs of rows over consecutive slots on both sides copied slice to slice,
+  keys rotated straight into their new rows (``slice_runs``; the rest gathered).
 
-On a pool of the embedded model's KV shape (its ``config.json``), float32, one thread (as
-assembly runs in the server), for the chunk counts and sizes of the workloads in
-``bench/workloads.py``. Each round also checks that both leave the pool the same.
-Reports the median milliseconds per batch and their ratio, with every round's figures.
+Two layouts of the slots: ``runs``, each chunk's node slots one range at a random place
+and a request's slots one range (what the server holds: in 60 tools requests 99% of the
+rows assembly copied lay in such runs), and ``scattered``, every slot drawn at random (a
+pool fragmented page by page; no runs, so both ways gather). On a pool of the embedded
+model's KV shape (its ``config.json``), float32, one thread (as assembly runs in the
+server), for the chunk counts and sizes of the workloads in ``bench/workloads.py``. Each
+round also checks that both leave the pool the same, bit for bit. Reports the median
+milliseconds per batch and their ratio (paired per round), with every round's figures.
 """
 
 from __future__ import annotations
@@ -57,25 +64,29 @@ class Pool:
         return self.v[layer]
 
 
-def hits(chunks: int, tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+def hits(
+    chunks: int, tokens: int, seed: int, layout: str
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """(node slots, request slots, chunk start) of one batch: node slots in the upper half
-    of the pool, request slots in the lower, both scattered as pages of a busy pool are."""
+    of the pool, request slots in the lower (``layout``: see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
     half = POOL_SLOTS // 2
-    src = torch.randperm(half, generator=g)[: chunks * tokens] + half
-    dst = torch.randperm(half, generator=g)[: chunks * tokens]
+    n = chunks * tokens
+    if layout == "scattered":
+        src = torch.randperm(half, generator=g)[:n] + half
+        dst = torch.randperm(half, generator=g)[:n]
+    else:
+        places = torch.randperm(half // tokens, generator=g)[:chunks] * tokens + half
+        src = torch.cat([torch.arange(p, p + tokens) for p in places.tolist()])
+        first = int(torch.randint(0, half - n, (1,), generator=g))
+        dst = torch.arange(first, first + n)
     return [
         (src[i * tokens : (i + 1) * tokens], dst[i * tokens : (i + 1) * tokens], 40 + i * tokens)
         for i in range(chunks)
     ]
 
 
-def per_hit(kv: KVAccess, batch: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
-    for src, dst, start in batch:
-        kv.write_rotated(dst, kv.read(src), start)
-
-
-def batched(kv: KVAccess, batch: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+def copy(kv: KVAccess, batch: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
     kv.copy_rotated(
         torch.cat([s for s, _, _ in batch]),
         torch.cat([d for _, d, _ in batch]),
@@ -100,34 +111,42 @@ def main() -> int:
     kv = KVAccess(pool, layers, ModelRope.plain(inv_freq))
     rows = []
     summary = {}
-    for name, chunks, tokens in CASES:
-        batch = hits(chunks, tokens, seed=chunks * 1000 + tokens)
-        dst = torch.cat([d for _, d, _ in batch])
-        times: dict[str, list[float]] = {"per_hit": [], "batched": []}
-        for r in range(args.rounds + 1):
-            written = {}
-            for way, fn in (("per_hit", per_hit), ("batched", batched)):
-                t0 = time.perf_counter()
-                fn(kv, batch)
-                dt = time.perf_counter() - t0
-                written[way] = kv.read(dst)
-                if r:  # round 0 warms up
-                    times[way].append(dt * 1e3)
-                    rows.append({"case": name, "round": r, "way": way, "ms": round(dt * 1e3, 3)})
-            if not torch.equal(written["per_hit"], written["batched"]):
-                print(f"{name}: the two ways wrote different KV", file=sys.stderr)
-                return 1
-        med = {w: statistics.median(t) for w, t in times.items()}
-        paired = statistics.median(
-            a / b for a, b in zip(times["per_hit"], times["batched"], strict=True)
-        )
-        summary[name] = {
-            "tokens": chunks * tokens,
-            "per_hit_ms": round(med["per_hit"], 2),
-            "batched_ms": round(med["batched"], 2),
-            "per_hit_over_batched_paired": round(paired, 2),
-        }
-        print(name, summary[name], flush=True)
+    ways = {"gathered": 1 << 30, "slices": kv.slice_rows}
+    for layout in ("runs", "scattered"):
+        for name, chunks, tokens in CASES:
+            batch = hits(chunks, tokens, seed=chunks * 1000 + tokens, layout=layout)
+            dst = torch.cat([d for _, d, _ in batch])
+            times: dict[str, list[float]] = {w: [] for w in ways}
+            for r in range(args.rounds + 1):
+                written = {}
+                order = list(ways) if r % 2 else list(reversed(ways))
+                for way in order:
+                    kv.slice_rows = ways[way]
+                    t0 = time.perf_counter()
+                    copy(kv, batch)
+                    dt = time.perf_counter() - t0
+                    written[way] = kv.read(dst)
+                    if r:  # round 0 warms up
+                        times[way].append(dt * 1e3)
+                        rows.append(
+                            {"layout": layout, "case": name, "round": r, "way": way}
+                            | {"ms": round(dt * 1e3, 3)}
+                        )
+                if not torch.equal(written["gathered"], written["slices"]):
+                    print(f"{layout} {name}: the two ways wrote different KV", file=sys.stderr)
+                    return 1
+            med = {w: statistics.median(t) for w, t in times.items()}
+            paired = statistics.median(
+                a / b for a, b in zip(times["gathered"], times["slices"], strict=True)
+            )
+            key = f"{layout}/{name}"
+            summary[key] = {
+                "tokens": chunks * tokens,
+                "gathered_ms": round(med["gathered"], 2),
+                "slices_ms": round(med["slices"], 2),
+                "gathered_over_slices_paired": round(paired, 2),
+            }
+            print(key, summary[key], flush=True)
     commit, dirty = git_state()
     report = {
         "git_commit": commit,

@@ -65,17 +65,22 @@ def apply_rope(
 
 def rotate_with(
     x: torch.Tensor,  # [..., num_tokens, num_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, head_dim // 2] from ``rope_cos_sin``
+    cos: torch.Tensor,  # [num_tokens, head_dim // 2] from ``rope_cos_sin`` (or [1, ...])
     sin: torch.Tensor,  # [num_tokens, head_dim // 2]
     layout: RopeLayout = "neox",
+    out: torch.Tensor | None = None,  # float32, x's shape, not overlapping x
 ) -> torch.Tensor:
     """A new tensor: ``x`` rotated by the angles of ``cos``/``sin`` (``apply_rope`` once
     they are computed: a caller rotating many tensors by the same positions computes them
-    once). Arguments are not checked here; ``apply_rope`` checks them."""
+    once); one row of angles rotates every token by the same amount. With ``out`` (a
+    float32 ``x`` only) the result is written there, e.g. straight into a pool's rows,
+    and ``out`` is returned. Arguments are not checked here; ``apply_rope`` checks them."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     head_dim = x.shape[-1]
     xf = x.to(torch.float32)
-    out = torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
+    into = out is not None
+    if out is None:
+        out = torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
     if layout == "neox":
         half = head_dim // 2
         x1, x2, o1, o2 = xf[..., :half], xf[..., half:], out[..., :half], out[..., half:]
@@ -86,7 +91,7 @@ def rotate_with(
     o1.addcmul_(x2, sin, value=-1.0)
     torch.mul(x2, cos, out=o2)
     o2.addcmul_(x1, sin)
-    return out.to(x.dtype)
+    return out if into else out.to(x.dtype)
 
 
 def rerotate(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,51 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+SLICE_ROWS = 16
+
+
+class SliceRun(NamedTuple):
+    """Rows src..src+rows-1 copied to dst..dst+rows-1, keys moved by ``delta``."""
+
+    src: int
+    dst: int
+    rows: int
+    delta: int
+
+
+class SliceRuns(NamedTuple):
+    """``copy_rotated``'s split of its rows: runs copied slice to slice, and the indices
+    (# [m] int64, into the rows) of the rest, gathered and scattered."""
+
+    runs: list[SliceRun]
+    rest: torch.Tensor
+
+
+def slice_runs(
+    src: torch.Tensor,  # [n] int64
+    dst: torch.Tensor,  # [n] int64
+    delta: torch.Tensor,  # [n] int64
+    min_rows: int,
+) -> SliceRuns:
+    """Maximal runs of rows whose source and destination slots both go up by one with one
+    ``delta``; those of at least ``min_rows`` rows become ``SliceRun``s."""
+    n = src.numel()
+    if n == 0:
+        return SliceRuns([], src.new_empty(0))
+    breaks = (src[1:] != src[:-1] + 1) | (dst[1:] != dst[:-1] + 1) | (delta[1:] != delta[:-1])
+    starts = [0] + (torch.nonzero(breaks).flatten() + 1).tolist()
+    ends = starts[1:] + [n]
+    runs: list[SliceRun] = []
+    rest: list[torch.Tensor] = []
+    src_l, dst_l, delta_l = src[starts].tolist(), dst[starts].tolist(), delta[starts].tolist()
+    for i, (a, z) in enumerate(zip(starts, ends, strict=True)):
+        if z - a >= min_rows:
+            runs.append(SliceRun(src_l[i], dst_l[i], z - a, delta_l[i]))
+        else:
+            rest.append(torch.arange(a, z, device=src.device))
+    return SliceRuns(runs, torch.cat(rest) if rest else src.new_empty(0))
+
+
 class KVAccess:
     """pool: SGLang's MHATokenToKVPool (get_key_buffer / get_value_buffer per layer).
     rope: the model's own rotation (``model_rope``). Every tensor made here lives on the
@@ -41,6 +86,9 @@ class KVAccess:
         # How ``copy_rotated`` runs: layer by layer on the CPU (see there), through the
         # ops' all-layer kernels elsewhere.
         self.per_layer_copies = self.device.type == "cpu"
+        # Shortest run of rows copied slice to slice there: a slice costs a few ops per
+        # layer whatever its length, a gathered row a fixed share of one.
+        self.slice_rows = SLICE_ROWS
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """# [num_layers, 2, n, num_kv_heads, head_dim] copy of the KV at ``slots`` [n]."""
@@ -70,27 +118,49 @@ class KVAccess:
         read, so a chunk node's KV stays as stored. Copies every device hit of a batch in
         one call. On the CPU it runs one layer at a time, so that a layer's rows stay in
         cache from read to write, where ``read``, a rotation of every layer's keys and the
-        write each stream all layers through memory (``bench/assembly.py`` times both)."""
+        write each stream all layers through memory (``bench/assembly.py`` times both).
+        There, rows that run over consecutive slots on both sides with one ``delta`` (a
+        chunk node's segment into the request's own slots, as a rule) are copied slice to
+        slice, keys rotated straight into their new rows; the rest are gathered and
+        scattered."""
         src = src.to(self.device, torch.int64)
         dst = dst.to(self.device, torch.int64)
         delta = delta.to(self.device, torch.int64)
-        spec = self.rope.spec
         if not self.per_layer_copies:
             kv = self.read(src)
             self._rotate_in_place(kv[:, 0], delta)
             write_pool_kv(self.pool, self.num_layers, dst, kv)
             return
-        cos_sin = None if spec.inv_freq is None else rope_cos_sin(delta, spec.inv_freq)
+        runs, rest = slice_runs(src, dst, delta, self.slice_rows)
+        spec = self.rope.spec
+        rest_src, rest_dst, rest_delta = src[rest], dst[rest], delta[rest]
+        if spec.inv_freq is None:
+            run_angles = rest_angles = None
+        else:
+            run_angles = rope_cos_sin(torch.tensor([r.delta for r in runs]), spec.inv_freq)
+            rest_angles = rope_cos_sin(rest_delta, spec.inv_freq)
         for layer in range(self.num_layers):
             kb = self.pool.get_key_buffer(layer)
             vb = self.pool.get_value_buffer(layer)
-            k = kb.index_select(0, src)
-            if cos_sin is None:
-                k = self.rope.rotate(k, delta)
-            else:
-                k = rotate_with(k, *cos_sin, spec.layout)
-            kb.index_copy_(0, dst, k)
-            vb.index_copy_(0, dst, vb.index_select(0, src))
+            for i, r in enumerate(runs):
+                s, d = slice(r.src, r.src + r.rows), slice(r.dst, r.dst + r.rows)
+                vb[d].copy_(vb[s])
+                if run_angles is None:
+                    kb[d].copy_(self.rope.rotate(kb[s], delta.new_full((r.rows,), r.delta)))
+                    continue
+                cos, sin = run_angles[0][i : i + 1], run_angles[1][i : i + 1]
+                if kb.dtype == torch.float32:
+                    rotate_with(kb[s], cos, sin, spec.layout, out=kb[d])
+                else:
+                    kb[d].copy_(rotate_with(kb[s], cos, sin, spec.layout))
+            if rest.numel():
+                k = kb.index_select(0, rest_src)
+                if rest_angles is None:
+                    k = self.rope.rotate(k, rest_delta)
+                else:
+                    k = rotate_with(k, *rest_angles, spec.layout)
+                kb.index_copy_(0, rest_dst, k)
+                vb.index_copy_(0, rest_dst, vb.index_select(0, rest_src))
 
     def pre_rope_keys(self, kv: torch.Tensor) -> torch.Tensor:
         """# [num_layers, n, num_kv_heads, head_dim] the keys of a chunk's independent KV
