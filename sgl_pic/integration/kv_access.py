@@ -137,7 +137,8 @@ class KVAccess:
         if spec.inv_freq is None:
             run_angles = rest_angles = None
         else:
-            run_angles = rope_cos_sin(torch.tensor([r.delta for r in runs]), spec.inv_freq)
+            shifts = torch.tensor([r.delta for r in runs], device=self.device)
+            run_angles = rope_cos_sin(shifts, spec.inv_freq)
             rest_angles = rope_cos_sin(rest_delta, spec.inv_freq)
         for layer in range(self.num_layers):
             kb = self.pool.get_key_buffer(layer)
