@@ -50,6 +50,8 @@ from workloads import (  # noqa: E402
     warm_up,
 )
 
+from sgl_pic.integration.phases import SubRequest, attended_keys  # noqa: E402
+
 RATE = 50  # samples per second
 
 # (bucket, frame names any of which marks it), first match wins, within an extend forward.
@@ -111,13 +113,11 @@ def profile(
         spy.send_signal(signal.SIGINT)
         spy.wait(timeout=300)
     computed = res["prompt_tokens"] - res["prefix_cached_tokens"]
-    # SGLang's extend: each request's tokens past its cached prefix.
-    keys = sum(
-        r["prompt"] * (r["prompt"] + 1) // 2 - r["cached"] * (r["cached"] + 1) // 2
-        for r in res["records"]
-    )
-    keys_per_query = {"extend": keys / max(computed, 1)}
-    if form == "pic":
+    if form != "pic":
+        # SGLang's extend: each request's tokens past its cached prefix.
+        subs = [SubRequest(0, r["cached"], r["prompt"] - r["cached"]) for r in res["records"]]
+        keys_per_query = {"extend": attended_keys(subs) / max(computed, 1)}
+    else:
         keys_per_query = {
             p: metric(d, "sgl_pic_phase_attended_keys_total", phase=p)
             / max(metric(d, "sgl_pic_phase_forward_tokens_total", phase=p), 1)
