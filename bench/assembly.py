@@ -14,9 +14,10 @@ both:
   keys rotated straight into their new rows (``slice_runs``; the rest gathered).
 
 Two layouts of the slots: ``runs``, each chunk's node slots one range at a random place
-and a request's slots one range (what the server holds: in 60 tools requests 99% of the
-rows assembly copied lay in such runs), and ``scattered``, every slot drawn at random (a
-pool fragmented page by page; no runs, so both ways gather). On a pool of the embedded
+and a request's slots one range (what the server holds: an instrumented run of tools
+requests found nearly all the rows assembly copied in such runs), and ``scattered``,
+every slot drawn at random (a pool fragmented page by page; no runs, so both ways
+gather). On a pool of the embedded
 model's KV shape (its ``config.json``), float32, one thread (as assembly runs in the
 server), for the chunk counts and sizes of the workloads in ``bench/workloads.py``. Each
 round also checks that both leave the pool the same, bit for bit. Reports the median
