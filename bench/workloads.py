@@ -36,7 +36,10 @@ the prefill-only ratio. Selection, assembly, phase 1 of missed chunks, the probe
 other sgl-pic overhead count against it: those inside a forward lengthen sgl-pic's extend
 seconds, the rest (chunk lookups when a batch is formed, chat auto-chunking) its wall time.
 ``forward_seconds`` and ``extend_over_ideal`` (sgl-pic's extend seconds over prefix
-caching's scaled by the work ratio) say which.
+caching's scaled by the work ratio) say which. ``forward_counts`` (forwards by kind and the
+requests in them) gives ``decode_step_s_over_base`` and ``decode_requests_per_step``: the
+same tokens decoded in more steps of fewer requests cost more seconds without any step
+being slower.
 
 Until e34fb2a the ideal came from a second prefix-caching server that replays the stream
 with one output token per request (``prefix_caching_first_token``): its wall time stood for
@@ -100,7 +103,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import ROOT, Client, delta, git_state, launch, metric  # noqa: E402
 from workload_streams import WORKLOADS, Request, Session, Streams, server_warmup  # noqa: E402
 
-from sgl_pic.integration.forward_timer import MODES  # noqa: E402
+from sgl_pic.integration.forward_timer import (  # noqa: E402
+    FORWARDS_METRIC,
+    MODES,
+    REQUESTS_METRIC,
+)
 
 FORWARD_METRIC = "sgl_pic_forward_seconds_total"
 
@@ -347,6 +354,15 @@ def forward_seconds(d: dict[str, float]) -> dict[str, float]:
     return {m: metric(d, FORWARD_METRIC, mode=m) for m in MODES}
 
 
+def forward_counts(d: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Forwards by kind and the requests in them, from a /metrics delta: how the same
+    stream's decode was batched on each server (``forward_timer``)."""
+    return {
+        "forwards": {m: metric(d, FORWARDS_METRIC + "_total", mode=m) for m in MODES},
+        "requests": {m: metric(d, REQUESTS_METRIC + "_total", mode=m) for m in MODES},
+    }
+
+
 def first_token_only(sessions: list[Session]) -> list[Session]:
     """The sessions with one output token per request (both forms)."""
 
@@ -514,6 +530,7 @@ def finish(
     res["tokens_per_prefill_batch"] = batch_tokens / max(batches, 1)
     d = delta(before, client.metrics())
     res["forward_seconds"] = forward_seconds(d)
+    res["forward_counts"] = forward_counts(d)
     res["pic"] = pic_figures(d) if form == "pic" else None
     if form == "pic" and args.agreement:
         res["agreement"] = agreement(client, sessions, res, args.agreement, args.seed)
@@ -528,6 +545,11 @@ def finish(
 def extend_seconds(run: dict[str, Any]) -> float:
     """Seconds of a run's (or block's) forwards that prefill: extend and mixed."""
     return run["forward_seconds"]["extend"] + run["forward_seconds"]["mixed"]
+
+
+def decode_step_s(run: dict[str, Any]) -> float:
+    """Seconds per decode forward of a run."""
+    return run["forward_seconds"]["decode"] / max(run["forward_counts"]["forwards"]["decode"], 1)
 
 
 def ideal_wall_s(base: dict[str, Any], pic: dict[str, Any]) -> float:
@@ -583,6 +605,14 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         "extend_over_ideal": pic_extend / max(base_extend * work, 1e-9),
         "decode_over_base": pic["forward_seconds"]["decode"]
         / max(base["forward_seconds"]["decode"], 1e-9),
+        # The same over decode steps, and the requests a step held: a server whose prefill
+        # ends sooner may decode the same tokens in more steps of fewer requests.
+        "decode_step_s_over_base": decode_step_s(pic) / max(decode_step_s(base), 1e-9),
+        "decode_requests_per_step": {
+            c: runs[c]["forward_counts"]["requests"]["decode"]
+            / max(runs[c]["forward_counts"]["forwards"]["decode"], 1)
+            for c in ("prefix_caching", "sgl_pic")
+        },
         "outside_forwards_s": {
             c: runs[c]["wall_s"] - sum(runs[c]["forward_seconds"].values())
             for c in ("prefix_caching", "sgl_pic")

@@ -1,5 +1,7 @@
 """Seconds the model runner spends in its forwards, by kind: the Prometheus counter
-``sgl_pic_forward_seconds_total{mode="extend"|"mixed"|"decode"|"other"}``.
+``sgl_pic_forward_seconds_total{mode="extend"|"mixed"|"decode"|"other"}``, with the
+forwards themselves (``sgl_pic_forwards_total``) and the requests in them
+(``sgl_pic_forward_requests_total``) by the same kinds.
 
 Reuse shortens extend forwards and nothing else (decode, request handling and scheduling
 are the same with it or without), so the time a server spends in them bounds what reuse can
@@ -12,13 +14,18 @@ included: it reads the clock and changes nothing. It reads the host's clock, so 
 accelerator, where a forward returns once its kernels are queued, these are host seconds
 (use SGLang's device timer there, ``SGLANG_ENABLE_METRICS_DEVICE_TIMER``). A forward of
 sgl-pic's chunk path (assembly, phase 1, the probe, phase 2) is one extend forward here.
+
+The counts separate a decode step's cost from how requests batched: two servers given the
+same stream decode the same tokens, but a server whose prefill finishes sooner may run
+them in more steps of fewer requests each, which costs more seconds on a CPU (each step
+reads every weight) without any step being slower.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +33,12 @@ logger = logging.getLogger(__name__)
 # decode alike, whichever attention backend planned it.
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 METRIC = "sgl_pic_forward_seconds"
+FORWARDS_METRIC = "sgl_pic_forwards"
+REQUESTS_METRIC = "sgl_pic_forward_requests"
 MODES = ("extend", "mixed", "decode", "other")
 
 _seconds: Any = None  # the Counter, made in the process that runs forwards (the scheduler)
+_counts: Counts | None = None  # the two count Counters, made there too
 _warned = False  # whether a failure to count was logged (once per process)
 
 
@@ -45,6 +55,11 @@ def mode_of(forward_batch: Any) -> str:
     return "extend" if fm.is_extend() else "other"
 
 
+class Counts(NamedTuple):
+    forwards: Any  # prometheus Counter: forwards by mode
+    requests: Any  # prometheus Counter: requests in them by mode (a decode step's batch)
+
+
 def seconds_counter() -> Any:
     """The counter, made on first use: SGLang sets PROMETHEUS_MULTIPROC_DIR before it
     spawns the scheduler, so a counter made there is one /metrics reads."""
@@ -58,16 +73,35 @@ def seconds_counter() -> Any:
     return _seconds
 
 
+def count_counters() -> Counts:
+    """The forward and request counters, made on first use (as ``seconds_counter``)."""
+    global _counts
+    if _counts is None:
+        from prometheus_client import Counter
+
+        forwards = Counter(FORWARDS_METRIC, "Model-runner forwards, by kind", ["mode"])
+        requests = Counter(REQUESTS_METRIC, "Requests in model-runner forwards, by kind", ["mode"])
+        for mode in MODES:
+            forwards.labels(mode=mode)
+            requests.labels(mode=mode)
+        _counts = Counts(forwards, requests)
+    return _counts
+
+
 def timed_forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-    """AROUND hook on ``ModelRunner.forward``: SGLang's forward, its seconds counted by
-    kind, also when it raises."""
+    """AROUND hook on ``ModelRunner.forward``: SGLang's forward, its seconds, itself and
+    its requests counted by kind, also when it raises."""
     t0 = time.perf_counter()
     try:
         return original(runner, forward_batch, *args, **kw)
     finally:
         elapsed = time.perf_counter() - t0
         try:
-            seconds_counter().labels(mode=mode_of(forward_batch)).inc(elapsed)
+            mode = mode_of(forward_batch)
+            seconds_counter().labels(mode=mode).inc(elapsed)
+            counts = count_counters()
+            counts.forwards.labels(mode=mode).inc()
+            counts.requests.labels(mode=mode).inc(int(getattr(forward_batch, "batch_size", 0) or 0))
         except Exception:
             # A metric that cannot be written (its multiprocess file, say) must not stop
             # the scheduler: SGLang ends the server when a scheduler raises.

@@ -48,6 +48,8 @@ DARIC_ALL = {"policy": "daric", "daric_n_avg": 4096.0}
 
 
 FORWARD = 'sgl_pic_forward_seconds_total{mode="%s"}'
+FORWARDS = 'sgl_pic_forwards_total{mode="%s"}'
+REQUESTS = 'sgl_pic_forward_requests_total{mode="%s"}'
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +76,16 @@ def vanilla_outputs(vanilla_run: tuple[list[list[int]], dict[str, float]]) -> li
 def test_vanilla_server_times_its_forwards_by_kind(
     vanilla_run: tuple[list[list[int]], dict[str, float]],
 ) -> None:
-    moved = vanilla_run[1]
+    outs, moved = vanilla_run
     # Three prompts prefilled, 16 tokens decoded each: both kinds of forward took time.
     assert moved[FORWARD % "extend"] > 0.0, moved
     assert moved[FORWARD % "decode"] > 0.0, moved
     assert moved[FORWARD % "other"] == 0.0, moved
+    # One request at a time: one extend forward each, then decode steps of that request
+    # alone, at least one per output token after the first.
+    assert moved[FORWARDS % "extend"] == moved[REQUESTS % "extend"] == len(CASES), moved
+    steps = moved[FORWARDS % "decode"]
+    assert moved[REQUESTS % "decode"] == steps >= sum(len(o) - 1 for o in outs), moved
     # Nothing of the chunk path exists on a vanilla server.
     assert not any(k.startswith("sgl_pic_requests") for k in moved), moved
 

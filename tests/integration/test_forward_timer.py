@@ -1,15 +1,19 @@
-"""``forward_timer``: each forward's seconds go to its kind's series, also when it raises;
-the forward's arguments and result pass through unchanged. Run in a subprocess: Prometheus
-names are global to a process."""
+"""``forward_timer``: each forward's seconds, the forward and its requests go to its kind's
+series, also when it raises; the forward's arguments and result pass through unchanged.
+Run in a subprocess: Prometheus names are global to a process."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+from sgl_pic.integration.forward_timer import MODES
+
 SCRIPT = """
 from types import SimpleNamespace
-from sgl_pic.integration.forward_timer import MODES, mode_of, seconds_counter, timed_forward
+from sgl_pic.integration.forward_timer import (
+    MODES, count_counters, mode_of, seconds_counter, timed_forward,
+)
 
 class Mode:
     def __init__(self, name):
@@ -21,32 +25,42 @@ class Mode:
     def is_extend(self):
         return self.name in ("EXTEND", "MIXED")
 
-def batch(name):
-    return SimpleNamespace(forward_mode=Mode(name))
+def batch(name, size=1):
+    return SimpleNamespace(forward_mode=Mode(name), batch_size=size)
 
 def seconds():
     return {m: seconds_counter().labels(mode=m)._value.get() for m in MODES}
+
+def counts():
+    c = count_counters()
+    return [
+        (m, c.forwards.labels(mode=m)._value.get(), c.requests.labels(mode=m)._value.get())
+        for m in MODES
+    ]
 
 print([mode_of(batch(n)) for n in ("EXTEND", "MIXED", "DECODE", "IDLE")], mode_of(object()))
 calls = []
 def forward(runner, fb, *args, **kw):
     calls.append((runner, fb, args, kw))
     return "out"
-fb = batch("DECODE")
+fb = batch("DECODE", 3)
 assert seconds() == {m: 0.0 for m in MODES}
+print(counts())
 print(timed_forward(forward, "runner", fb, 1, split_forward_count=2))
 print(calls == [("runner", fb, (1,), {"split_forward_count": 2})])
+timed_forward(forward, "runner", batch("DECODE", 2))
 after_decode = seconds()
 print(after_decode["decode"] > 0, [after_decode[m] for m in ("extend", "mixed", "other")])
 def failing(runner, fb):
     raise ValueError("boom")
 try:
-    timed_forward(failing, "runner", forward_batch=batch("EXTEND"))
+    timed_forward(failing, "runner", forward_batch=batch("EXTEND", 4))
 except ValueError as e:
     print("raised", e)
 after = seconds()
 same = seconds_counter() is seconds_counter()
 print(after["extend"] > 0, after["decode"] == after_decode["decode"], same)
+print(counts())
 """
 
 
@@ -56,11 +70,14 @@ def test_seconds_go_to_the_forward_kind() -> None:
     lines = out.stdout.splitlines()
     assert lines == [
         "['extend', 'mixed', 'decode', 'other'] other",
+        str([(m, 0.0, 0.0) for m in MODES]),
         "out",
         "True",
         "True [0.0, 0.0, 0.0]",
         "raised boom",
         "True True True",
+        # Two decode steps of 3 and 2 requests; the extend that raised, of 4.
+        str([("extend", 1.0, 4.0), ("mixed", 0.0, 0.0), ("decode", 2.0, 5.0), ("other", 0.0, 0.0)]),
     ]
 
 
