@@ -547,9 +547,9 @@ def extend_seconds(run: dict[str, Any]) -> float:
     return run["forward_seconds"]["extend"] + run["forward_seconds"]["mixed"]
 
 
-def decode_step_s(run: dict[str, Any]) -> float:
-    """Seconds per decode forward of a run."""
-    return run["forward_seconds"]["decode"] / max(run["forward_counts"]["forwards"]["decode"], 1)
+def per_decode_step(run: dict[str, Any], total: float) -> float:
+    """``total`` (a run's decode seconds, or its decode request-steps) per decode forward."""
+    return total / max(run["forward_counts"]["forwards"]["decode"], 1)
 
 
 def ideal_wall_s(base: dict[str, Any], pic: dict[str, Any]) -> float:
@@ -607,10 +607,10 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         / max(base["forward_seconds"]["decode"], 1e-9),
         # The same over decode steps, and the requests a step held: a server whose prefill
         # ends sooner may decode the same tokens in more steps of fewer requests.
-        "decode_step_s_over_base": decode_step_s(pic) / max(decode_step_s(base), 1e-9),
+        "decode_step_s_over_base": per_decode_step(pic, pic["forward_seconds"]["decode"])
+        / max(per_decode_step(base, base["forward_seconds"]["decode"]), 1e-9),
         "decode_requests_per_step": {
-            c: runs[c]["forward_counts"]["requests"]["decode"]
-            / max(runs[c]["forward_counts"]["forwards"]["decode"], 1)
+            c: per_decode_step(runs[c], runs[c]["forward_counts"]["requests"]["decode"])
             for c in ("prefix_caching", "sgl_pic")
         },
         "outside_forwards_s": {

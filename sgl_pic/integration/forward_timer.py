@@ -65,26 +65,29 @@ def seconds_counter() -> Any:
     spawns the scheduler, so a counter made there is one /metrics reads."""
     global _seconds
     if _seconds is None:
-        from prometheus_client import Counter
-
-        _seconds = Counter(METRIC, "Seconds in model-runner forwards, by kind", ["mode"])
-        for mode in MODES:
-            _seconds.labels(mode=mode)  # every series present from the start, at 0
+        _seconds = _mode_counter(METRIC, "Seconds in model-runner forwards, by kind")
     return _seconds
+
+
+def _mode_counter(name: str, documentation: str) -> Any:
+    """A Prometheus counter labelled by forward kind, every series present from the
+    start, at 0."""
+    from prometheus_client import Counter
+
+    counter = Counter(name, documentation, ["mode"])
+    for mode in MODES:
+        counter.labels(mode=mode)
+    return counter
 
 
 def count_counters() -> Counts:
     """The forward and request counters, made on first use (as ``seconds_counter``)."""
     global _counts
     if _counts is None:
-        from prometheus_client import Counter
-
-        forwards = Counter(FORWARDS_METRIC, "Model-runner forwards, by kind", ["mode"])
-        requests = Counter(REQUESTS_METRIC, "Requests in model-runner forwards, by kind", ["mode"])
-        for mode in MODES:
-            forwards.labels(mode=mode)
-            requests.labels(mode=mode)
-        _counts = Counts(forwards, requests)
+        _counts = Counts(
+            _mode_counter(FORWARDS_METRIC, "Model-runner forwards, by kind"),
+            _mode_counter(REQUESTS_METRIC, "Requests in model-runner forwards, by kind"),
+        )
     return _counts
 
 

@@ -134,11 +134,17 @@ class KVAccess:
         runs, rest = slice_runs(src, dst, delta, self.slice_rows)
         spec = self.rope.spec
         rest_src, rest_dst, rest_delta = src[rest], dst[rest], delta[rest]
+        # Each run's rotation, made once for every layer: the per-run work in the layer
+        # loop is what a batch of small hits pays for.
+        run_shifts: list[torch.Tensor] = []  # [rows] each, without a plain RoPE
+        run_angles: list[tuple[torch.Tensor, torch.Tensor]] = []  # [1, head_dim // 2] each
         if spec.inv_freq is None:
-            run_angles = rest_angles = None
+            rest_angles = None
+            run_shifts = [delta.new_full((r.rows,), r.delta) for r in runs]
         else:
             shifts = torch.tensor([r.delta for r in runs], device=self.device)
-            run_angles = rope_cos_sin(shifts, spec.inv_freq)
+            cos_all, sin_all = rope_cos_sin(shifts, spec.inv_freq)
+            run_angles = [(cos_all[i : i + 1], sin_all[i : i + 1]) for i in range(len(runs))]
             rest_angles = rope_cos_sin(rest_delta, spec.inv_freq)
         for layer in range(self.num_layers):
             kb = self.pool.get_key_buffer(layer)
@@ -146,10 +152,10 @@ class KVAccess:
             for i, r in enumerate(runs):
                 s, d = slice(r.src, r.src + r.rows), slice(r.dst, r.dst + r.rows)
                 vb[d].copy_(vb[s])
-                if run_angles is None:
-                    kb[d].copy_(self.rope.rotate(kb[s], delta.new_full((r.rows,), r.delta)))
+                if spec.inv_freq is None:
+                    kb[d].copy_(self.rope.rotate(kb[s], run_shifts[i]))
                     continue
-                cos, sin = run_angles[0][i : i + 1], run_angles[1][i : i + 1]
+                cos, sin = run_angles[i]
                 if kb.dtype == torch.float32:
                     rotate_with(kb[s], cos, sin, spec.layout, out=kb[d])
                 else:
