@@ -3,9 +3,10 @@
 Reused KV must never come from different tokens, model or settings, so every key
 hashes (SHA-256) the exact token ids together with a fingerprint of everything that
 shapes the KV bytes: model identity, KV and compute dtypes, quantization, RoPE settings,
-page size, the tensor-, pipeline- and attention-parallel shard, and whether keys are
-stored before or after RoPE. A disk tier shared by differently configured servers then
-never hands one server another's records.
+page size, the tensor-, pipeline- and attention-parallel shard, whether keys are
+stored before or after RoPE, and how the ranking stored beside the KV was made. A disk
+tier shared by differently configured servers then never hands one server another's
+records.
 
 Long chunks are split into segments of at most ``segment_tokens`` tokens, each keyed
 by its parent segment's key plus its own tokens (DARIC 3.3.2), so segment i of a chunk
@@ -21,7 +22,8 @@ from dataclasses import asdict, dataclass
 
 # 2: the fingerprint gained compute dtype, quantization, RoPE, pipeline and attention
 # parallel fields; keys of version 1 never match version 2 ones.
-KEY_VERSION = 2
+# 3: it gained the recipe of the ranking stored with each chunk.
+KEY_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class ModelFingerprint:
     attn_layout:      canonical JSON of the attention-parallel shard (attention TP and
                       context-parallel ranks and widths), "" for plain TP: with DP or CP
                       attention, one TP rank holds other heads or tokens.
+    ranking:          how the CacheTune ranking stored with every chunk was computed
+                      (``sgl_pic.selection.ranking_recipe``), "" for none: a record is its
+                      KV and its ranking, and a ranking made with another alpha orders
+                      the tokens differently.
     """
 
     model_id: str
@@ -81,6 +87,7 @@ class ModelFingerprint:
     pp_rank: int = 0
     pp_size: int = 1
     attn_layout: str = ""
+    ranking: str = ""
 
     def digest(self) -> str:
         """SHA-256 over the key version and every field, names included (so two fields

@@ -26,6 +26,7 @@ CHANGES: dict[str, object] = {
     "pp_rank": 1,
     "pp_size": 2,
     "attn_layout": '{"attn_cp":[0,1],"attn_dcp":[0,1],"attn_tp":[0,1]}',
+    "ranking": "cachetune_alpha=0.25",
 }
 
 
@@ -67,6 +68,7 @@ def test_defaults_are_the_plain_single_gpu_setting() -> None:
         pp_rank=0,
         pp_size=1,
         attn_layout="",
+        ranking="",
     )
     assert explicit == FP
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -40,9 +40,13 @@ only uses them to parse tool calls and build tool-choice constraints.
 A request auto-chunking cannot render (a content item other than text, text containing the
 delimiter, a template that fails or does not render message text verbatim) is left to SGLang
 unchunked; with chunks the client marked, the same is an error (HTTP 400). Malformed
-requests (bad ``pic`` options, messages or tools) are errors either way. (The caller also
-leaves requests with template options, ``chat_template_kwargs`` or
-``continue_final_message``, to SGLang's own templating.)
+requests (bad ``pic`` options, messages or tools) are errors either way.
+
+The prompt is the one SGLang's own chat path would render, apart from the piecewise
+tokenization: a final assistant message is rendered as a user turn holding its text, as
+SGLang does without ``continue_final_message``. Options that change SGLang's templating
+(``TEMPLATE_OPTIONS``, and ``input_ids``, which replaces it) are not applied here: the caller
+refuses them with chunks the client marked and leaves auto-chunked requests to SGLang.
 """
 
 from __future__ import annotations
@@ -63,6 +67,16 @@ AUTO_CHUNK_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant",
 # opens the prompt, where SGLang's prefix cache serves it without being a chunk.
 DEFAULT_AUTO_CHUNK: frozenset[str] = frozenset({"tool", "document", "user", "assistant"})
 DOCUMENT = "document"
+# Chat request fields SGLang's own templating reads (the rendering here does not): a request
+# carrying any of them is left to SGLang, or refused with client marks (``template_options``).
+TEMPLATE_OPTIONS: tuple[str, ...] = (
+    "continue_final_message",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "reasoning",
+    "thinking",
+    "task",
+)
 TOOLS_HEADER = "You can call these functions; each line is one function's JSON schema:\n"
 
 
@@ -153,6 +167,15 @@ def chat_options(pic: Any, server_roles: frozenset[str]) -> ChatOptions:
     return ChatOptions(roles, pic.get("config"))
 
 
+def template_options(body: dict[str, Any]) -> list[str]:
+    """The ``TEMPLATE_OPTIONS`` a chat body sets (absent, null, false or {} sets none)."""
+    return [
+        k
+        for k in TEMPLATE_OPTIONS
+        if not (body.get(k) is None or body.get(k) is False or body.get(k) == {})
+    ]
+
+
 def has_chat_marks(messages: Sequence[Any]) -> bool:
     """Whether the client marked a message or a text item with ``"pic_chunk": true``."""
     for msg in messages:
@@ -234,6 +257,16 @@ def _delimited_messages(
         chosen = _auto_chosen(role, msg.get("name"), i < last_user, roles)
         contents.append(_content(i, msg, auto, chosen, d))
         rendered.append(_template_message(role, msg))
+    if rendered and rendered[-1]["role"] == "assistant":
+        # SGLang's chat path (without continue_final_message) renders a final assistant
+        # message with string content as a user turn holding its text alone; a content list
+        # it keeps or flattens depending on the template, which is not known here.
+        if isinstance(messages[-1].get("content"), list):
+            raise _Unrenderable(
+                f"message {len(messages) - 1}: a final assistant message with a content list "
+                "cannot be rendered with chunks (send its content as a string)"
+            )
+        rendered[-1] = {"role": "user"}
     shown = tool_texts(tools, tool_choice)
     if shown:
         segs: _Segments = [TOOLS_HEADER]

@@ -3,8 +3,9 @@
 It runs inside SGLang's scheduler (a hook around ``validate_input_length``), so it holds
 for every HTTP path and for clients that bypass our middleware:
 
-- token ids outside the vocabulary refuse the request with an error naming the index
-  (SGLang 0.5.23 would crash the scheduler on them);
+- token ids outside the vocabulary refuse the request with an error naming the index, and
+  so does a count of top logprobs outside [0, vocabulary] (SGLang 0.5.23 would crash the
+  scheduler on either);
 - chunk marks are honoured only when their MAC checks out against the request's tokens
   (``MarkSigner``) and they pass the server's limits; otherwise they are stripped, counted,
   logged once, and the request runs as exact prefill;
@@ -12,7 +13,8 @@ for every HTTP path and for clients that bypass our middleware:
   (full_recompute, r = 1) share ``sgl_pic:exact``, approximate ones share KV only with
   requests making the same approximation (policy and budget). A namespace of ours that a
   request claims without verified marks is moved aside, so approximate KV never reaches a
-  plain or exact request.
+  plain or exact request. Turns of SGLang sessions run exact: a streaming session hands
+  a turn its history's KV outside the prefix tree's namespaces.
 
 Never raises: a failure inside the gate means exact prefill for that request.
 """
@@ -54,9 +56,16 @@ class Pending:
     token_ids: tuple[int, ...]
 
 
-def namespace(config: PicConfig, user_key: str | None) -> str:
-    """The prefix-tree namespace (SGLang's ``extra_key``) of a chunked request."""
-    return f"{INTERNAL_PREFIX}:{config.approximation_key()}|{user_key or ''}"
+def namespace(config: PicConfig, user_key: str | None, calibrated_r: bool = False) -> str:
+    """The prefix-tree namespace (SGLang's ``extra_key``) of a chunked request.
+    ``calibrated_r``: CacheTune's r is the server's calibrated r of the slowest tier the
+    request reuses from (``planner.calibrated``), known only when its batch runs; such
+    requests make one approximation, "calibrated", whatever r the config names (a config
+    r of 1.0 would otherwise claim the exact namespace)."""
+    key = config.approximation_key()
+    if calibrated_r:
+        key = f"cachetune,calibrated,{config.cachetune_alpha!r}"
+    return f"{INTERNAL_PREFIX}:{key}|{user_key or ''}"
 
 
 def first_out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> tuple[int, int] | None:
@@ -68,7 +77,9 @@ def first_out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> tuple[int, 
 
 class AdmissionGate:
     """signer: None when reuse is off in this process (SGLang's own launcher gave no
-    secret, or the attention backend is not supported): then no marks are honoured."""
+    secret, or the attention backend is not supported): then no marks are honoured.
+    calibrated_r: whether the executor sets CacheTune's r per tier (``--pic-calibrate``);
+    its requests then share the "calibrated" namespace (``namespace``)."""
 
     def __init__(
         self,
@@ -76,11 +87,13 @@ class AdmissionGate:
         signer: MarkSigner | None,
         vocab_size: int,
         metrics: PicMetrics,
+        calibrated_r: bool = False,
     ) -> None:
         self.config = config
         self.signer = signer
         self.vocab_size = vocab_size
         self.metrics = metrics
+        self.calibrated_r = calibrated_r  # the executor runs CacheTune at calibrated r
 
     def admit(self, req: Any) -> str | None:
         """Checks SGLang's ``Req`` before it is queued: an error message to refuse it with,
@@ -101,6 +114,14 @@ class AdmissionGate:
             return (
                 f"input_ids[{bad[0]}] = {bad[1]} is outside the vocabulary [0, {self.vocab_size})"
             )
+        top = getattr(getattr(req, "logprob", None), "top_logprobs_num", 0)
+        if getattr(req, "return_logprob", False) and not (
+            type(top) is int and 0 <= top <= self.vocab_size
+        ):
+            # SGLang 0.5.23 takes a top-k of that many logprobs in the scheduler, and a k
+            # past the vocabulary kills it.
+            self.metrics.requests_refused.labels(reason="top_logprobs").inc()
+            return f"top_logprobs_num = {top!r} is outside [0, {self.vocab_size}]"
         custom = getattr(req.sampling_params, "custom_params", None)
         extra = req.extra_key
         claims_namespace = isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX)
@@ -113,6 +134,12 @@ class AdmissionGate:
             # Chunk keys name the base model's weights, not an adapter's.
             self._ignore(req, "lora")
             return None
+        if getattr(req, "session", None) is not None:
+            # A streaming session lends each turn the session's own KV whatever the
+            # namespace, so an approximate turn would reach a later exact one; any session
+            # turn runs exact.
+            self._ignore(req, "session")
+            return None
         try:
             pic = decode(custom, self.config)
         except LimitError:
@@ -124,7 +151,14 @@ class AdmissionGate:
         if pic.layout.num_tokens != len(ids):
             self._ignore(req, "malformed")
             return None
-        req.extra_key = namespace(pic.config(self.config), extra)
+        config = pic.config(self.config)
+        # The same test as ``planner.calibrated``: calibration sets r unless the request did.
+        calibrated = (
+            self.calibrated_r
+            and config.policy == "cachetune"
+            and "cachetune_r" not in pic.overrides
+        )
+        req.extra_key = namespace(config, extra, calibrated)
         setattr(req, PENDING_ATTR, Pending(pic, tuple(ids)))
         return None
 

@@ -10,7 +10,13 @@ custom params) before SGLang sees it. What a client can get wrong is answered he
   key) on any path (400);
 - token ids outside the vocabulary, negative or not integers, in plain requests too
   (``/generate`` single and batch, ``/v1/completions`` token prompts) (400);
-- malformed marks, overrides or limits (400).
+- malformed marks, overrides or limits (400);
+- on /generate, /v1/completions and chat: text that is not valid Unicode (a lone UTF-16
+  surrogate such as JSON's ``"\ud800"``, which the tokenizer cannot take), a
+  ``stop_regex`` that does not compile, a ``rid`` that does not fit the request (a list
+  for a single request, a batch's of another length) (400); SGLang alone answers these
+  with a 500;
+- ``pic`` on /v1/completions, which does not carry chunk marks (400).
 
 The scheduler checks the same rules again where the work happens (``gate.py``); the edge
 only gives clients a clear answer early.
@@ -29,18 +35,27 @@ OpenAI chat: a message with ``"pic_chunk": true``, or a text item of a content l
 ``"pic_chunk": true``, is a chunk; with auto-chunking (``--pic-auto-chunk`` or
 ``"pic": {"auto_chunk": ...}``) tool results, documents and earlier turns are marked here,
 and tool schemas become chunks too (``chat_chunks``); ``"pic": {"config": {...}}`` carries
-overrides.
+overrides. Options only SGLang's own templating applies (``continue_final_message``,
+``chat_template_kwargs``, ``reasoning_effort``, ... : ``chat_chunks.TEMPLATE_OPTIONS``) and a
+client's ``input_ids`` are refused with client marks (400) and leave an auto-chunked
+request to SGLang unchunked.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration.chat_chunks import chat_options, chat_prompt
+from sgl_pic.integration.chat_chunks import (
+    chat_options,
+    chat_prompt,
+    has_chat_marks,
+    template_options,
+)
 from sgl_pic.integration.spans import (
     INTERNAL_PREFIX,
     MAC_KEY,
@@ -58,6 +73,18 @@ from sgl_pic.layout import LayoutError, PaddedPrompt, PromptLayout, pad_chunk_st
 GENERATE_PATH = "/generate"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+TRANSLATED_PATHS = (GENERATE_PATH, CHAT_PATH, COMPLETIONS_PATH)
+
+# A lone UTF-16 surrogate: what json.loads makes of an unpaired "\ud800" escape (a pair
+# becomes one code point). Not valid Unicode: it cannot be encoded as UTF-8 or tokenized.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Where one can stand in a body: an escape "\uD8xx".."\uDFxx", or the bytes of an encoded
+# surrogate (json.loads decodes with surrogatepass). Bodies without either skip the walk.
+_RAW_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# SGLang's own bounds on stop_regex (sampling_params.py, refused there with a 400); here they
+# only bound the patterns compiled in the event loop.
+_STOP_REGEX_MAX_CHARS = 256
+_STOP_REGEX_MAX_COUNT = 32
 
 
 class BodyTooLarge(Exception):
@@ -117,6 +144,7 @@ class RequestTranslator:
         return pad_chunk_starts(ids, layout, self.config.page_size, self.pad_id())
 
     def _tokenize(self, text: str, special: bool) -> list[int]:
+        check_unicode(text, "a prompt text")
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     @property
@@ -148,7 +176,15 @@ class RequestTranslator:
             self.check_ids(value, field)
 
     def completions(self, obj: dict[str, Any]) -> None:
-        """/v1/completions: a token-id prompt (one or a batch) is checked like input_ids."""
+        """/v1/completions: a token-id prompt (one or a batch) is checked like input_ids;
+        ``pic`` is refused (chunk marks go to /generate or chat)."""
+        if "pic" in obj:
+            raise LayoutError(
+                "'pic' is not supported on /v1/completions, which takes no chunk marks (its "
+                "prompt goes to the model as it is, delimiters included); send chunked prompts "
+                "to /generate ('text' with delimiters, or 'input_ids' with 'pic.chunks') or to "
+                "/v1/chat/completions"
+            )
         prompt = obj.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             self.check_id_lists(prompt, "prompt")
@@ -163,9 +199,20 @@ class RequestTranslator:
         options = chat_options(pic, self.auto_chunk)
         overrides = check_overrides(options.config, self.config)
         roles = options.roles
-        if obj.get("chat_template_kwargs") or obj.get("continue_final_message"):
-            roles = frozenset()  # template options only SGLang's own templating applies
         messages = obj.get("messages")
+        unapplied = template_options(obj)
+        if obj.get("input_ids") is not None:
+            unapplied.append("input_ids")
+        if unapplied:
+            if isinstance(messages, list) and has_chat_marks(messages):
+                raise LayoutError(
+                    f"{', '.join(repr(k) for k in unapplied)} cannot be combined with chunk "
+                    "marks ('pic_chunk'): a chunked prompt is rendered by sgl_pic's templating, "
+                    "which applies only the messages and tools (and 'input_ids' would replace "
+                    "it); send the request without chunk marks"
+                )
+            # Auto-chunking steps aside: SGLang's own templating serves the request.
+            roles = frozenset()
         prompt = chat_prompt(
             messages,
             obj.get("tools"),
@@ -233,6 +280,11 @@ class RequestTranslator:
         has_delim = isinstance(text, str) and d in text
         if pic is None and not has_delim:
             return None
+        if text is not None and obj.get("input_ids") is not None:
+            raise LayoutError(
+                "a chunked request takes either 'text' (with delimiters) or 'input_ids' (with "
+                "'pic.chunks'), not both"
+            )
         if pic is None:
             pic = {}
         if not isinstance(pic, dict):
@@ -363,6 +415,11 @@ class PicHTTPMiddleware:
         if not isinstance(obj, dict):
             return None
         path = scope.get("path")
+        if path not in TRANSLATED_PATHS:
+            return None
+        if _RAW_SURROGATE.search(body):
+            check_body_text(obj)
+        check_generation_options(path, obj)
         if path == CHAT_PATH:
             return self.translator.chat(obj)
         if path == GENERATE_PATH:
@@ -401,6 +458,131 @@ def check_client_body(obj: Any, max_depth: int) -> None:
         if "pic_chunk" in node and not isinstance(node["pic_chunk"], bool):
             raise LayoutError(f"'pic_chunk' must be true or false, got {node['pic_chunk']!r}")
         stack.extend((v, depth + 1) for v in node.values())
+
+
+def check_unicode(text: str, where: str) -> None:
+    """Raises LayoutError when ``text`` holds a lone UTF-16 surrogate (not valid Unicode:
+    it cannot be encoded as UTF-8, nor tokenized)."""
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise LayoutError(
+            f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate "
+            f"({m.group()!r} at character {m.start()}); send each surrogate in a pair, or the "
+            "character itself as UTF-8"
+        )
+
+
+def check_body_text(obj: Any) -> None:
+    """Raises LayoutError for the first string (key or value) of a parsed body holding a
+    lone UTF-16 surrogate, naming where it stands (e.g. ``messages[1].content``)."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            check_unicode(node, f"'{where}'" if where else "the body")
+        elif isinstance(node, list):
+            stack.extend(
+                (v, f"{where}[{i}]") for i, v in enumerate(node) if isinstance(v, (str, list, dict))
+            )
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                key = f"{where}.{k}" if where else str(k)
+                check_unicode(k, f"the key '{key}'")
+                if isinstance(v, (str, list, dict)):
+                    stack.append((v, key))
+
+
+def check_generation_options(path: str, obj: dict[str, Any]) -> None:
+    """Raises LayoutError for a ``stop_regex`` that is not a string or list of strings or
+    does not compile, and for a ``rid`` that does not fit the request: a string for a single
+    request (or a list of one with ``n`` > 1, which SGLang turns into a batch of one), a
+    string or a list of one string per prompt for a batch. Checked on /generate, on
+    /v1/completions and chat (``path``); SGLang answers these with a 500."""
+    n: Any = obj.get("n", 1)
+    if path == GENERATE_PATH:
+        sp = obj.get("sampling_params")
+        if isinstance(sp, list):
+            for i, p in enumerate(sp):
+                if isinstance(p, dict):
+                    _check_stop_regex(p.get("stop_regex"), f"sampling_params[{i}].stop_regex")
+            first = sp[0] if sp else None
+        else:
+            if isinstance(sp, dict):
+                _check_stop_regex(sp.get("stop_regex"), "sampling_params.stop_regex")
+            first = sp
+        n = 1
+        if isinstance(first, dict):
+            beam = first.get("beam_width")
+            n = 1 if type(beam) is int and beam > 1 else first.get("n", 1)
+        batch = _generate_batch(obj)
+    else:
+        _check_stop_regex(obj.get("stop_regex"), "stop_regex")
+        batch = _prompt_batch(obj.get("prompt")) if path == COMPLETIONS_PATH else 0
+    if batch is not None:
+        _check_rid(obj.get("rid"), batch, type(n) is int and n > 1)
+
+
+def _check_stop_regex(value: Any, field: str) -> None:
+    if value is None:
+        return
+    patterns = value if isinstance(value, list) else [value]
+    if len(patterns) > _STOP_REGEX_MAX_COUNT:
+        return  # SGLang refuses so many itself
+    for i, p in enumerate(patterns):
+        where = f"'{field}'[{i}]" if isinstance(value, list) else f"'{field}'"
+        if not isinstance(p, str):
+            raise LayoutError(
+                f"{where} must be a regular expression string (a string or a list of strings), "
+                f"got {type(p).__name__}"
+            )
+        if len(p) > _STOP_REGEX_MAX_CHARS:
+            continue  # over SGLang's length limit: refused there
+        try:
+            re.compile(p)
+        except (re.error, OverflowError, RecursionError) as e:
+            raise LayoutError(f"{where} = {p!r} is not a valid regular expression: {e}") from e
+
+
+def _generate_batch(obj: dict[str, Any]) -> int | None:
+    """A /generate body's prompt count as SGLang reads it: 0 for a single request, the
+    batch size for a batch, None when the body does not say (SGLang answers that)."""
+    text = obj.get("text")
+    if text is not None:
+        return 0 if isinstance(text, str) else len(text) if isinstance(text, list) else None
+    ids = obj.get("input_ids")
+    if isinstance(ids, list):
+        return len(ids) if ids and isinstance(ids[0], list) else 0
+    return None
+
+
+def _prompt_batch(prompt: Any) -> int | None:
+    """The same for a /v1/completions prompt (text or token ids, one or a batch)."""
+    if isinstance(prompt, str):
+        return 0
+    if isinstance(prompt, list) and prompt:
+        return len(prompt) if isinstance(prompt[0], (str, list)) else 0
+    return None
+
+
+def _check_rid(rid: Any, batch: int, parallel: bool) -> None:
+    """``batch``: 0 for a single request, else its prompt count; ``parallel``: n > 1."""
+    if rid is None or isinstance(rid, str):
+        return
+    if not isinstance(rid, list):
+        raise LayoutError(f"'rid' must be a string or a list of strings, got {type(rid).__name__}")
+    for i, r in enumerate(rid):
+        if not isinstance(r, str):
+            raise LayoutError(f"'rid'[{i}] must be a string, got {type(r).__name__}")
+    if batch == 0 and not parallel:
+        raise LayoutError(
+            "'rid' of a single request must be a string, got a list (a list gives one rid per "
+            "prompt of a batch)"
+        )
+    expected = batch or 1
+    if len(rid) != expected:
+        raise LayoutError(
+            f"'rid' lists {len(rid)} ids for {expected} prompt(s); send one per prompt, or a string"
+        )
 
 
 async def _send_error(

@@ -11,6 +11,7 @@ hook only reads the clock, in every server (``forward_timer``: seconds in forwar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -71,6 +72,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.integration.phases import PhaseRunner
     from sgl_pic.integration.settings import PicServerSettings
     from sgl_pic.integration.spans import MarkSigner
+    from sgl_pic.selection import ranking_recipe
     from sgl_pic.store.admission import StoreAdmission
 
     settings = PicServerSettings.from_env()
@@ -82,7 +84,12 @@ def build_tree_cache(ctx: Any) -> Any:
     if support.ok and settings.refused:
         support = Support("model_check", settings.refused)
     cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    fingerprint = server_fingerprint(ctx, cache_pool.dtype)
+    # Every chunk is stored with a ranking made at the server's alpha (a setting no
+    # request can override), so the alpha is part of every key.
+    fingerprint = dataclasses.replace(
+        server_fingerprint(ctx, cache_pool.dtype),
+        ranking=ranking_recipe(settings.config.cachetune_alpha),
+    )
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
     capacity = int(settings.device_cache_fraction * pool_tokens) if support.ok else 0
 
@@ -159,7 +166,7 @@ def build_tree_cache(ctx: Any) -> Any:
         _phases.attention_end,
     )
     signer = MarkSigner(settings.secret) if settings.secret else None
-    _gate = AdmissionGate(settings.config, signer, vocab_size, metrics)
+    _gate = AdmissionGate(settings.config, signer, vocab_size, metrics, ratios is not None)
     logger.info(
         "sgl_pic chunk cache ready: policy=%s, model %s, attention backend %s, chunk nodes up "
         "to %d of %d pool slots, host tier %d MiB, disk tier %s, %d layers, rotary dim %d (%s)",
@@ -184,7 +191,6 @@ def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, metric
     place is a zero-capacity tier in a private temporary directory that keeps nothing.
     Their queued disk writes finish (bounded) or are dropped cleanly when this scheduler
     process exits or gets SIGTERM/SIGINT, counted into ``metrics`` (``lifecycle``)."""
-    import dataclasses
     import tempfile
 
     from sgl_pic.integration.lifecycle import install_shutdown

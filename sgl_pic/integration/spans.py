@@ -29,7 +29,8 @@ MAC_KEY = "sgl_pic_mac"
 # Every key or prefix-tree namespace of ours starts with this; a client may send none.
 INTERNAL_PREFIX = "sgl_pic"
 # Per-request overrides a client may send; server-only settings (page size, segment length,
-# delimiter, limits) are excluded because they change how chunks are keyed or bounded.
+# delimiter, limits, CacheTune's alpha) are excluded because they change how chunks are
+# keyed, bounded or ranked when stored.
 OVERRIDABLE = frozenset(
     {
         "policy",
@@ -40,7 +41,6 @@ OVERRIDABLE = frozenset(
         "epic_k",
         "cacheblend_ratio",
         "cachetune_r",
-        "cachetune_alpha",
         "qa_ratio",
         "qa_min_tokens",
         "qa_sink_tokens",

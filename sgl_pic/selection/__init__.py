@@ -7,7 +7,7 @@ from sgl_pic.selection.base import (
     as_selection,
     finalize,
 )
-from sgl_pic.selection.cachetune import cachetune_ranking
+from sgl_pic.selection.cachetune import cachetune_ranking, ranking_recipe
 from sgl_pic.selection.daric import DaricBudget, daric_budget, daric_select, mtaf_values
 from sgl_pic.selection.registry import make_policy, policy_names, register_policy
 
@@ -24,5 +24,6 @@ __all__ = [
     "make_policy",
     "mtaf_values",
     "policy_names",
+    "ranking_recipe",
     "register_policy",
 ]

@@ -69,6 +69,12 @@ def cachetune_ranking(k: torch.Tensor, v: torch.Tensor, alpha: float) -> torch.T
     return _standardise(magnitude).mean(dim=0).to(torch.float32)
 
 
+def ranking_recipe(alpha: float) -> str:
+    """Names how ``cachetune_ranking`` ranked a stored chunk: the part of a store's key
+    (``ModelFingerprint.ranking``) that keeps rankings made with another alpha apart."""
+    return f"cachetune_alpha={float(alpha)!r}"
+
+
 def top_ranked(ranking: torch.Tensor, count: int) -> torch.Tensor:
     """Local indices of the ``count`` highest scores (# [count] int64, sorted),
     ties going to the lower index.

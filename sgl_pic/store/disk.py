@@ -3,18 +3,35 @@ GDSF eviction, and an index rebuilt from the files at start-up.
 
 Paths come only from key digests (``<root>/<2 hex>/<64 hex>.sglkv``). A bad file is
 never served: it is counted, dropped from the index (and deleted when it is ours and
-broken) and reported as a miss. A failed write leaves no file and no index entry.
+broken) and reported as a miss. Whatever else sits at a record's path (a FIFO, socket,
+device node, directory or symlink) is never opened for reading, so it can neither block
+nor crash the store: it is a bad file too. A failed write leaves no file and no index
+entry.
 
 Writes are atomic (``format.write_record``: temp file, fsync, rename, directory fsync),
 which is the guarantee when the process is killed mid-write (SGLang SIGKILLs a scheduler
 that outlives its shutdown grace, and its children die with it): only the temp file can
 be left, and start-up removes it, counted as the error kind "leftover_tmp".
+
+A full disk lowers the tier's capacity. The configured ``capacity_bytes`` is a ceiling,
+not a promise: the file system may fill first (a small tmpfs, a quota, other users). A
+write failing with ENOSPC or EDQUOT lowers the effective capacity to the bytes the tier
+then holds or has reserved for writes in flight, so the next put evicts by the policy to
+make room rather than failing like this one for the rest of the process. The failed put
+itself is not retried (it returns False, counted as now); a put that still fails after
+its eviction lowers the capacity again, so the tier converges on what the disk can hold.
+The capacity grows back towards the configured one when ``os.statvfs`` reports free
+space again: checked by a put at most every ``regrow_interval_s`` seconds while lowered,
+and by half the free space each time (the rest is left to other writers, ours in flight
+among them). ``stats().capacity_bytes`` is the effective capacity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -39,6 +56,7 @@ from sgl_pic.store.eviction import BoundedStore, check_policy
 from sgl_pic.store.format import (
     SUFFIX,
     TMP_PREFIX,
+    NotRegularFileError,
     RecordFile,
     RecordHeader,
     TmpOwner,
@@ -55,9 +73,16 @@ from sgl_pic.store.format import (
 # limit is reached; each means this record cannot be written now.
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
+# Of those, the ones that mean the file system is full, so that evicting our own files
+# makes room. EFBIG is a per-file limit (RLIMIT_FSIZE, the file system's largest file):
+# evicting other records cannot lift it, so it lowers no capacity.
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
 # (error kind in stats, delete the file?). Foreign and newer files may belong to another
-# model or a newer binary sharing the directory, so they are skipped, not deleted.
+# model or a newer binary sharing the directory, so they are skipped, not deleted. The
+# first matching class counts, so subclasses come before their bases.
 _BAD_FILE: dict[type[StoreError], tuple[str, bool]] = {
+    NotRegularFileError: ("not_regular", True),
     BadMagicError: ("corrupt", True),
     CorruptRecordError: ("corrupt", True),
     TruncatedRecordError: ("truncated", True),
@@ -103,11 +128,21 @@ class DiskStore(BoundedStore):
     """Chunk files on a local disk. ``get`` and ``get_layers`` return fresh copies read
     through mmap and verified against the file's checksums.
 
-    Error kinds in ``stats().errors`` besides the bad-file ones: "write_error", "enospc",
-    "unlink_error", "unreadable", "vanished", and "leftover_tmp" (a temp file of a killed
-    writer, removed at start-up)."""
+    Error kinds in ``stats().errors`` besides the bad-file ones (among them "not_regular":
+    a FIFO, socket, device, directory or symlink at a record's path): "write_error",
+    "enospc", "unlink_error", "unreadable", "vanished", and "leftover_tmp" (a temp file of
+    a killed writer, removed at start-up).
+
+    A write failing with ENOSPC or EDQUOT lowers the effective capacity (the one
+    ``stats().capacity_bytes`` reports) to the bytes held and reserved, so later puts
+    evict to make room; it grows back, at most to ``config.capacity_bytes``, as
+    ``os.statvfs`` reports free space (see the module docstring)."""
 
     name: ClassVar[str] = "disk"
+    # How often, at most, a put asks the file system for free space while the capacity
+    # is lowered: a statvfs per put would cost little, but regrowing a capacity that
+    # just failed would only buy another failed write.
+    regrow_interval_s: ClassVar[float] = 10.0
 
     def __init__(self, config: DiskStoreConfig, model_digest: str) -> None:
         super().__init__(model_digest, config.capacity_bytes, config.policy)
@@ -119,6 +154,8 @@ class DiskStore(BoundedStore):
         self._pending: dict[str, int] = {}
         # Set by abort_writes (shutdown): writes in flight stop, later ones are refused.
         self._abort = threading.Event()
+        # time.monotonic() before which the lowered capacity is not checked for regrowth.
+        self._regrow_at = 0.0
         self._rebuild_index()
 
     def path_of(self, key: str) -> Path:
@@ -132,7 +169,14 @@ class DiskStore(BoundedStore):
         for sub in sorted(self.root.iterdir()):
             if not sub.is_dir() or len(sub.name) != 2:
                 continue
-            for path in sorted(sub.iterdir()):
+            try:
+                entries = sorted(sub.iterdir())
+            except OSError:
+                # An unlistable subdirectory (e.g. no permission) holds nothing we can
+                # serve; the store starts without it rather than not at all.
+                self._errors["unreadable"] += 1
+                continue
+            for path in entries:
                 if path.name.startswith(TMP_PREFIX):
                     self._remove_stale_tmp(path, now)
                     continue
@@ -142,7 +186,8 @@ class DiskStore(BoundedStore):
                     header = read_header(path, self.model_digest)
                     if path.name != file_name(header.key) or sub.name != path.name[:2]:
                         raise CorruptRecordError(f"{path.name} holds key {header.key[:12]}")
-                    st = path.stat()
+                    # lstat: read_header accepted a regular file, never a link's target.
+                    st = os.lstat(path)
                 except StoreError as exc:
                     self._count_bad(exc, path)
                     continue
@@ -172,10 +217,22 @@ class DiskStore(BoundedStore):
         )
         self._errors[kind] += 1
         if delete:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                self._errors["unlink_error"] += 1
+            self._remove_bad(path)
+
+    def _remove_bad(self, path: Path) -> None:
+        """Remove what sits at a bad record's path, never anything it leads to: a symlink
+        goes, its target stays; a directory goes only when empty (its contents are not
+        ours to judge), else stays, uncounted, to be skipped again."""
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                return
+            path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self._errors["unlink_error"] += 1
 
     def _begin_read(self, key: str) -> Path | None:
         check_key(key)
@@ -184,11 +241,13 @@ class DiskStore(BoundedStore):
                 return None
         return self.path_of(key)
 
-    def _fail_read(self, key: str, path: Path, exc: Exception) -> None:
-        """Turn a failed read into a miss: count it, forget the entry, maybe delete."""
+    def _fail_read(self, key: str, path: Path, exc: Exception, miss: bool = True) -> None:
+        """Turn a failed read into a miss: count it, forget the entry, maybe delete.
+        ``miss=False`` for a peek, which counts no access of either kind."""
         with self._lock:
             self._forget_locked(key)
-            self._counts["misses"] += 1
+            if miss:
+                self._counts["misses"] += 1
             if isinstance(exc, FileNotFoundError):
                 self._errors["vanished"] += 1
             elif isinstance(exc, StoreError):
@@ -198,14 +257,20 @@ class DiskStore(BoundedStore):
 
     def peek_header(self, key: str, token_ids: Sequence[int] | None = None) -> RecordHeader | None:
         """The file's checked header (model, key, tokens), without counting an access or
-        reading the payload; None if not held or the header is unusable (left for the
-        next read to count and drop)."""
+        reading the payload; None if not held or the header is unusable.
+
+        An unusable header is handled as a failed ``get``: counted, forgotten and deleted
+        when ours. Leaving it for the next read is not enough: callers (the scheduler's
+        match) take a None here as a miss and never read, while the key still held would
+        stop the chunk from being stored afresh, so it would miss forever."""
         check_key(key)
         if not self.contains(key):
             return None
+        path = self.path_of(key)
         try:
-            return read_header(self.path_of(key), self.model_digest, key, token_ids)
-        except (StoreError, OSError, ValueError):
+            return read_header(path, self.model_digest, key, token_ids)
+        except (StoreError, OSError, ValueError) as exc:
+            self._fail_read(key, path, exc, miss=False)
             return None
 
     def peek(self, key: str) -> ChunkKV | None:
@@ -289,6 +354,7 @@ class DiskStore(BoundedStore):
             if record.key in self._entries or record.key in self._pending:
                 return True
         enc = encode_record(record, self.config.block_tokens)
+        self._maybe_regrow()
         with self._lock:
             if record.key in self._entries or record.key in self._pending:
                 return True
@@ -320,7 +386,38 @@ class DiskStore(BoundedStore):
                 self._errors["write_error"] += 1
                 if err.errno in _NO_SPACE:
                     self._errors["enospc"] += 1
+                if err.errno in _FULL:
+                    self._lower_capacity_locked()
         return err is None
+
+    def _lower_capacity_locked(self) -> None:
+        """The disk is full: hold no more than is held now (with the writes still in
+        flight, whose reservations already fit), so the next put evicts by the policy
+        to make room. Nothing is evicted here: the failed record is not retried, and
+        whether a later one needs the room is that put's to decide."""
+        self._capacity = min(self._capacity, self._used + sum(self._pending.values()))
+        self._regrow_at = time.monotonic() + self.regrow_interval_s
+
+    def _maybe_regrow(self) -> None:
+        """Let a lowered capacity grow back by half the free space the file system
+        reports, at most to the configured one; at most once per ``regrow_interval_s``.
+        Half, since the free space is shared (with other writers and with our writes in
+        flight, which may already have taken part of it): repeated checks approach the
+        disk's size without overshooting it; an overshoot (someone else filled it) only
+        costs one failed write that lowers the capacity again."""
+        now = time.monotonic()
+        with self._lock:
+            if self._capacity >= self.config.capacity_bytes or now < self._regrow_at:
+                return
+            self._regrow_at = now + self.regrow_interval_s
+        try:
+            st = os.statvfs(self.root)
+        except (OSError, AttributeError):  # AttributeError: no statvfs on this platform
+            return
+        free = st.f_bavail * st.f_frsize
+        with self._lock:
+            grown = self._used + sum(self._pending.values()) + free // 2
+            self._capacity = min(self.config.capacity_bytes, max(self._capacity, grown))
 
     def _delete_files(self, evicted: list[tuple[str, int]]) -> None:
         # Unlinking is safe under open readers: their mmap keeps the inode alive.

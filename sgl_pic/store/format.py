@@ -23,11 +23,13 @@ never returns an unverified byte. Nothing is pickled; tensors go through numpy b
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import mmap
 import os
 import re
 import socket
+import stat
 import struct
 import threading
 import uuid
@@ -78,6 +80,12 @@ class WriteCancelled(Exception):
 
     Not an OSError on purpose: a cancelled write is a shutdown decision, not an I/O error.
     """
+
+
+class NotRegularFileError(CorruptRecordError):
+    """The path holds no regular file (a FIFO, socket, device node, directory or symlink):
+    never a record this store wrote, and never opened for reading, since opening a FIFO
+    waits for a writer and opening a device can have effects of its own."""
 
 
 class TmpOwner(NamedTuple):
@@ -394,6 +402,42 @@ def _check_expectations(
         raise TokenMismatchError(f"record {header.key[:12]} holds other token ids")
 
 
+# Opening must never wait: O_NONBLOCK makes a FIFO's open return at once instead of waiting
+# for a writer, and O_NOFOLLOW refuses a symlink at the record's path (the store never
+# writes one; it may lead anywhere, e.g. to /dev/zero).
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+# What os.open reports for a path that is no regular file: a symlink (O_NOFOLLOW), a
+# socket, a device without a driver.
+_NOT_REGULAR_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.ENODEV})
+
+
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the regular file at ``path`` (blocking mode) and its
+    stat; the caller closes it. Never blocks in ``open``: anything but a regular file
+    raises ``NotRegularFileError`` without being read. OSError for the rest (missing,
+    permission denied)."""
+    # Checked before opening because opening a device node may act on the device (a
+    # tape rewinds); the fstat below closes the race with a swap after this check.
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise NotRegularFileError(f"{path.name} is not a regular file")
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno in _NOT_REGULAR_ERRNOS:
+            raise NotRegularFileError(f"{path.name} is not a regular file") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(f"{path.name} is not a regular file")
+        # Regular files ignore O_NONBLOCK; cleared so the descriptor reads plainly.
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_header(
     path: Path,
     model_digest: str | None = None,
@@ -401,10 +445,11 @@ def read_header(
     token_ids: Sequence[int] | None = None,
 ) -> RecordHeader:
     """Parse and check only the prefix and header (no payload checksums): cheap enough
-    for rebuilding an index at start-up. Raises a StoreError subclass or OSError."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        header = _parse_header(f.read(PREFIX_BYTES), f.read, size, model_digest)
+    for rebuilding an index at start-up. Raises a StoreError subclass (``NotRegularFileError``
+    for anything but a regular file) or OSError."""
+    fd, st = open_regular(path)
+    with open(fd, "rb") as f:
+        header = _parse_header(f.read(PREFIX_BYTES), f.read, st.st_size, model_digest)
     _check_expectations(header, model_digest, key, token_ids)
     return header
 
@@ -423,9 +468,9 @@ class RecordFile:
         key: str | None = None,
         token_ids: Sequence[int] | None = None,
     ) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd, st = open_regular(path)
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if size < PREFIX_BYTES:
                 prefix = os.pread(fd, PREFIX_BYTES, 0)
                 _parse_header(prefix, lambda n: b"", size)
@@ -514,7 +559,8 @@ def read_record(
     token_ids: Sequence[int] | None = None,
 ) -> ChunkKV:
     """The whole record at ``path``, fully verified. Raises a StoreError subclass for a
-    bad file, OSError for one that cannot be opened."""
+    bad file (``NotRegularFileError`` for anything but a regular file), OSError for one
+    that cannot be opened."""
     with RecordFile(path, model_digest, key, token_ids) as f:
         return f.read_record()
 
@@ -525,12 +571,14 @@ __all__ = [
     "MAGIC",
     "PREFIX_BYTES",
     "EncodedRecord",
+    "NotRegularFileError",
     "RecordFile",
     "RecordHeader",
     "RecordShapeError",
     "StoreError",
     "encode_record",
     "file_name",
+    "open_regular",
     "read_header",
     "read_record",
     "write_record",

@@ -157,7 +157,9 @@ class TieredStore(ChunkStore):
     def peek_ranking(self, key: str, token_ids: Sequence[int] | None = None) -> RankingPeek | None:
         """The record's ranking without moving its KV (from host memory, else from the
         file header), or None if the key is not held or the header is unusable. Counts
-        nothing; a bad file is left for the next read to detect, count and drop."""
+        no access; a file whose header fails its checks is counted and dropped
+        (``DiskStore.peek_header``), so ``contains`` turns False and the next ``put``
+        stores the chunk afresh."""
         if self.host.contains(key):
             record = self.host.peek(key)
             if record is not None:

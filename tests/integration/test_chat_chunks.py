@@ -662,3 +662,45 @@ def test_agent_session_reuses_tool_results_and_earlier_turns(agent_server: Serve
             strictly_smaller += b_next.per_chunk[i - 1] < b.per_chunk[i - 1] - 1e-9
         assert kept >= 3, k  # at least the tool schemas keep their places
     assert strictly_smaller > 0
+
+
+# -- what SGLang's own chat path would render, and what it cannot take ------------------
+
+
+def test_a_final_assistant_message_gives_the_prompt_sglang_renders() -> None:
+    """Without continue_final_message SGLang renders a final assistant message as a user
+    turn of its text: the chunked prompt holds the same text as the unmarked one."""
+    msgs = [
+        {"role": "user", "content": DOCS["A"], "pic_chunk": True},
+        {"role": "user", "content": U1},
+        {"role": "assistant", "content": A1},
+    ]
+    out = chat(translator(), {"messages": msgs})
+    assert out is not None and chunk_texts(out) == [DOCS["A"]]
+    sglang = [*({"role": m["role"], "content": m["content"]} for m in msgs[:2])]
+    sglang.append({"role": "user", "content": A1})
+    text = tokenizer().apply_chat_template(sglang, tokenize=False, add_generation_prompt=True)
+    assert tokenizer().decode(out["input_ids"]) == text
+    # continue_final_message is SGLang's to apply: refused with marks, left to it without.
+    with pytest.raises(LayoutError, match="'continue_final_message' cannot be combined"):
+        chat(translator(), {"messages": msgs, "continue_final_message": True})
+    plain = [{k: v for k, v in m.items() if k != "pic_chunk"} for m in msgs]
+    assert chat(translator(ALL), {"messages": plain, "continue_final_message": True}) is None
+
+
+def test_lone_surrogates_are_refused_before_the_tokenizer_sees_them() -> None:
+    for body in (
+        {
+            "messages": [
+                {"role": "tool", "content": "\ud800 " + DOCS["A"]},
+                {"role": "user", "content": U1},
+            ]
+        },
+        {
+            "messages": [{"role": "user", "content": U1}],
+            "tools": [tool("f", "\udfff " + DOCS["B"])],
+        },
+        {"messages": [{"role": "user", "content": "\ud800" + DOCS["C"], "pic_chunk": True}]},
+    ):
+        with pytest.raises(LayoutError, match="lone UTF-16 surrogate"):
+            chat(translator(ALL), body)

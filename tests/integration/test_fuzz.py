@@ -61,7 +61,6 @@ NUMERIC_SETTINGS = (
     "epic_k",
     "cacheblend_ratio",
     "cachetune_r",
-    "cachetune_alpha",
     "qa_ratio",
     "qa_min_tokens",
     "qa_sink_tokens",
@@ -315,7 +314,6 @@ VALID_SETTINGS: dict[str, st.SearchStrategy[Any]] = {
     "epic_k": st.integers(0, 64),
     "cacheblend_ratio": _float(0.05, 1.0),
     "cachetune_r": _float(0.05, 1.0),
-    "cachetune_alpha": _float(0.05, 1.0),
     "qa_ratio": _float(0.05, 1.0),
     "qa_min_tokens": st.integers(0, 64),
     "qa_sink_tokens": st.integers(0, 8),
@@ -665,7 +663,7 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "string": st.sampled_from(["0.5", "", "32"]),
     "null_or_list": st.sampled_from([None, [], {}, [0.5]]),
 }
-FRACTIONS = ("daric_r", "cacheblend_ratio", "cachetune_r", "cachetune_alpha", "qa_ratio")
+FRACTIONS = ("daric_r", "cacheblend_ratio", "cachetune_r", "qa_ratio")
 
 
 @st.composite
@@ -678,8 +676,15 @@ def bad_configs(draw: DrawFn, kind: str, surface: str) -> Case:
     if kind == "unknown_policy":
         config["policy"] = draw(st.sampled_from(["nope", "DARIC", "", "full-reuse", 3]))
     elif kind == "unknown_setting":
-        # Server-only settings too: they change how chunks are keyed or bounded.
-        names = ["page_size", "segment_tokens", "delimiter", "max_chunks", "min_chunk_tokens"]
+        # Server-only settings too: they change how chunks are keyed, bounded or ranked.
+        names = [
+            "page_size",
+            "segment_tokens",
+            "delimiter",
+            "max_chunks",
+            "min_chunk_tokens",
+            "cachetune_alpha",
+        ]
         config[draw(st.sampled_from([*names, "x"]))] = 4
     elif kind == "n_avg_zero":
         config["daric_n_avg"] = draw(st.sampled_from([0, 0.0]))

@@ -166,3 +166,66 @@ def test_marks_of_a_lora_request_are_not_honoured(metrics: PicMetrics) -> None:
     assert gate(metrics).admit(r) is None
     assert_plain(r)
     assert ignored(metrics, "lora") == before + 1
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_marks_of_a_session_turn_are_not_honoured(metrics: PicMetrics, streaming: bool) -> None:
+    # A streaming session lends a turn its history's KV outside the namespaces: an
+    # approximate first turn would reach a later exact one.
+    before = ignored(metrics, "session")
+    r = req(IDS, signed(IDS, [[0, 5], [5, 12]]), "user")
+    r.session = SimpleNamespace(streaming=streaming)
+    assert gate(metrics).admit(r) is None
+    assert_plain(r)
+    assert r.extra_key == "user"
+    assert ignored(metrics, "session") == before + 1
+
+
+def test_calibrated_cachetune_requests_share_one_namespace_never_exact(
+    metrics: PicMetrics,
+) -> None:
+    # With calibration the executor picks r per tier when the batch runs, so the r the
+    # config names (even 1.0, which alone would be exact) says nothing about the KV.
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, calibrated_r=True)
+    keys = []
+    for overrides in ({"policy": "cachetune"}, {"policy": "cachetune", "daric_r": 0.5}):
+        r = req(IDS, signed(IDS, [[0, 5]], overrides))
+        assert g.admit(r) is None
+        keys.append(r.extra_key)
+    assert keys[0] == keys[1] == "sgl_pic:cachetune,calibrated,0.5|"
+    exact_base = AdmissionGate(CONFIG.with_overrides(cachetune_r=1.0), SIGNER, VOCAB, metrics, True)
+    r = req(IDS, signed(IDS, [[0, 5]], {"policy": "cachetune"}))
+    assert exact_base.admit(r) is None
+    assert r.extra_key == keys[0]
+    # A request that sets its own r is not calibrated: its namespace names that r.
+    r = req(IDS, signed(IDS, [[0, 5]], {"policy": "cachetune", "cachetune_r": 1.0}))
+    assert g.admit(r) is None
+    assert r.extra_key == "sgl_pic:exact|"
+    # Other policies are untouched by calibration.
+    r = req(IDS, signed(IDS, [[0, 5]], {"policy": "epic", "epic_k": 3}))
+    assert g.admit(r) is None
+    assert r.extra_key == "sgl_pic:epic,3|"
+
+
+def test_cachetune_alpha_is_not_a_per_request_setting(metrics: PicMetrics) -> None:
+    # Every chunk is stored with a ranking at the server's alpha, and keyed by it.
+    before = ignored(metrics, "malformed") + ignored(metrics, "limit")
+    r = req(IDS, signed(IDS, [[0, 5]], {"policy": "cachetune", "cachetune_alpha": 0.25}))
+    assert gate(metrics).admit(r) is None
+    assert_plain(r)
+    assert ignored(metrics, "malformed") + ignored(metrics, "limit") == before + 1
+
+
+@pytest.mark.parametrize("top", [VOCAB + 1, -1, 10**6, True, 2.0])
+def test_a_top_logprobs_count_outside_the_vocabulary_is_refused(
+    metrics: PicMetrics, top: Any
+) -> None:
+    r = req(IDS)
+    r.return_logprob, r.logprob = True, SimpleNamespace(top_logprobs_num=top)
+    assert "top_logprobs_num" in (gate(metrics).admit(r) or "")
+    ok = req(IDS)
+    ok.return_logprob, ok.logprob = True, SimpleNamespace(top_logprobs_num=VOCAB)
+    assert gate(metrics).admit(ok) is None
+    # Without logprobs SGLang never takes the top-k.
+    r.return_logprob = False
+    assert gate(metrics).admit(r) is None

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
+from typing import Any
+
 import pytest
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration.http_ext import RequestTranslator
+from sgl_pic.integration.http_ext import CHAT_PATH as CHAT
+from sgl_pic.integration.http_ext import PicHTTPMiddleware, RequestTranslator
 from sgl_pic.integration.spans import (
     MAC_KEY,
     MarkSigner,
@@ -178,3 +184,159 @@ def test_chat_marks_become_chunks_of_the_templated_prompt() -> None:
 
 def test_chat_without_marks_is_untouched() -> None:
     assert translator().chat({"messages": [{"role": "user", "content": "hi"}]}) is None
+
+
+def auto_translator(*roles: str) -> RequestTranslator:
+    """Auto-chunking these roles, as with --pic-auto-chunk."""
+    return RequestTranslator(LOOSE, FakeTokenizer, MarkSigner("k"), auto_chunk=frozenset(roles))
+
+
+def post(path: str, body: str | dict, t: RequestTranslator | None = None) -> tuple[int, str]:
+    """``body`` through the middleware (no server): (400, its message) when refused, else
+    (200, the body SGLang would get)."""
+    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    passed: list[bytes] = []
+    sent: list[dict] = []
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        passed.append((await receive())["body"])
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    asyncio.run(PicHTTPMiddleware(app, t or translator())(scope, receive, send))
+    if sent:
+        return sent[0]["status"], json.loads(sent[1]["body"])["error"]["message"]
+    return 200, passed[0].decode()
+
+
+def test_lone_surrogates_get_a_400_naming_where_they_stand() -> None:
+    doc = '"content": "\\ud800 doc", "pic_chunk": true'
+    cases = [
+        (CHAT, '{"messages": [{"role": "user", ' + doc + '}, {"role": "user", "content": "q"}]}'),
+        (
+            CHAT,
+            '{"pic": {"auto_chunk": true}, "messages": [{"role": "tool", "content": "\\udfff"}]}',
+        ),
+        (
+            CHAT,
+            '{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function", '
+            '"function": {"name": "f", "description": "\\udfff x"}}]}',
+        ),
+        ("/generate", '{"text": "a <d>\\ud800 doc<d> q", "sampling_params": {}}'),
+        ("/generate", '{"text": "plain \\uDBFF"}'),
+        ("/v1/completions", '{"prompt": "x", "stop": ["\\ud800"]}'),
+    ]
+    for path, raw in cases:
+        status, message = post(path, raw, auto_translator("tool"))
+        assert status == 400 and "lone UTF-16 surrogate" in message, (raw, message)
+    assert "'messages[0].content'" in post(*cases[0])[1]
+    assert "'tools[0].function.description'" in post(*cases[2])[1]
+    # A pair is one character, served as usual; other paths are SGLang's.
+    status, body = post("/generate", '{"text": "a <d>\\ud83d\\ude00 doc<d> q"}')
+    assert status == 200 and "input_ids" in json.loads(body)
+    assert post("/tokenize", '{"prompt": "\\ud800"}')[0] == 200
+    # The translator checks what it tokenizes too, whoever calls it.
+    with pytest.raises(LayoutError, match="lone UTF-16 surrogate"):
+        translator().generate({"text": "a<d>\ud800b<d>q"})
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        (
+            "/generate",
+            {"text": "a", "sampling_params": {"stop_regex": "(("}},
+            "not a valid regular",
+        ),
+        ("/generate", {"text": ["a"], "sampling_params": [{"stop_regex": ["x", "[z"]}]}, r"\[0\]"),
+        ("/generate", {"text": "a", "sampling_params": {"stop_regex": [5]}}, "must be a regular"),
+        ("/v1/completions", {"prompt": "a", "stop_regex": "(("}, "'stop_regex' = '\\(\\(' is not"),
+        (CHAT, {"messages": [{"role": "user", "content": "a"}], "stop_regex": "a{2,1}"}, "valid"),
+        ("/generate", {"text": "a", "rid": ["x"]}, "single request must be a string"),
+        ("/generate", {"input_ids": [5, 6], "rid": ["x"]}, "single request must be a string"),
+        ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "lists 1 ids for 2 prompt"),
+        ("/generate", {"text": "a", "rid": 5}, "string or a list of strings"),
+        ("/generate", {"text": ["a", "b"], "rid": ["x", 5]}, r"'rid'\[1\] must be a string"),
+        ("/generate", {"text": "a", "sampling_params": {"n": 2}, "rid": ["x", "y"]}, "lists 2"),
+        ("/v1/completions", {"prompt": [5, 6], "rid": ["x"]}, "single request must be a string"),
+        ("/v1/completions", {"prompt": "a", "pic": {}}, "not supported on /v1/completions"),
+        (CHAT, {"messages": [{"role": "user", "content": "a"}], "rid": ["x"]}, "single request"),
+        ("/generate", {"text": "a<d>b<d>", "input_ids": [5, 6]}, "not both"),
+        ("/generate", {"text": "a", "input_ids": [5, 6], "pic": {}}, "not both"),
+    ],
+)
+def test_bad_stop_regex_rid_and_ambiguous_prompts_get_a_400(
+    path: str, body: dict, needle: str
+) -> None:
+    status, message = post(path, body)
+    assert status == 400 and re.search(needle, message), message
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": "a", "sampling_params": {"stop_regex": r"\d+\.$"}, "rid": "x"}),
+        ("/generate", {"text": ["a", "b"], "sampling_params": {"stop_regex": ["x", "y|z"]}}),
+        ("/generate", {"text": ["a", "b"], "rid": ["x", "y"]}),
+        ("/generate", {"text": ["a", "b"], "rid": "x"}),
+        ("/generate", {"input_ids": [[5], [6]], "rid": ["x", "y"]}),
+        ("/generate", {"text": "a", "sampling_params": {"n": 2}, "rid": ["x"]}),
+        ("/generate", {"text": "a<d>b<d>", "sampling_params": {"stop_regex": "b"}, "rid": "x"}),
+        ("/v1/completions", {"prompt": ["a", "b"], "rid": ["x", "y"], "stop_regex": "a"}),
+        ("/v1/completions", {"prompt": "a", "n": 2, "rid": ["x"]}),
+        (CHAT, {"messages": [{"role": "user", "content": "a"}], "n": 2, "rid": ["x"]}),
+        (CHAT, {"messages": [{"role": "user", "content": "a"}], "stop_regex": ["a$"], "rid": "x"}),
+    ],
+)
+def test_valid_stop_regex_and_rid_pass(path: str, body: dict) -> None:
+    status, passed = post(path, body)
+    assert status == 200, passed
+    assert json.loads(passed).get("rid") == body.get("rid")
+
+
+def test_template_options_are_refused_with_chunk_marks() -> None:
+    msgs = [
+        {"role": "user", "content": "doc", "pic_chunk": True},
+        {"role": "user", "content": "Q?"},
+        {"role": "assistant", "content": "A: "},
+    ]
+    for option, value in [
+        ("continue_final_message", True),
+        ("chat_template_kwargs", {"enable_thinking": False}),
+        ("reasoning_effort", "low"),
+        ("reasoning", {"effort": "low"}),
+        ("thinking", {"type": "enabled"}),
+        ("input_ids", [5, 6]),
+    ]:
+        with pytest.raises(LayoutError, match=f"'{option}' cannot be combined with chunk"):
+            translator().chat({"messages": msgs, option: value})
+        # Auto-chunking steps aside: SGLang's own templating serves the request.
+        auto = [{k: v for k, v in m.items() if k != "pic_chunk"} for m in msgs]
+        t = auto_translator("user", "assistant")
+        assert t.chat({"messages": auto, option: value}) is None
+        out = t.chat({"messages": auto, option: value, "pic": {"auto_chunk": True}})
+        assert out is not None and "pic" not in out
+        assert out.get("input_ids") == (value if option == "input_ids" else None)
+    # Defaults set nothing.
+    for off in ({"continue_final_message": False}, {"chat_template_kwargs": {}}):
+        assert translator().chat({"messages": msgs, **off}) is not None
+
+
+def test_a_final_assistant_message_renders_as_sglang_renders_it() -> None:
+    """SGLang's chat path without continue_final_message makes a final assistant message a
+    user turn of its text alone (tool calls dropped)."""
+    msgs = [
+        {"role": "user", "content": "doc", "pic_chunk": True},
+        {"role": "assistant", "content": "A", "tool_calls": [{"id": "c", "type": "function"}]},
+    ]
+    out = translator().chat({"messages": msgs})
+    assert out is not None
+    assert "".join(chr(t) for t in out["input_ids"]) == "[user]doc[user]A[assistant]"
+    listed = [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "A"}]}]
+    with pytest.raises(LayoutError, match="final assistant message with a content list"):
+        translator().chat({"messages": listed})

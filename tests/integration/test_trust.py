@@ -114,6 +114,23 @@ def test_approximate_kv_serves_only_requests_making_the_same_approximation(
             {"model": "m", "messages": [{"role": "user", "content": "hi", "pic_chunk": 1}]},
             "true or false",
         ),
+        # A top-k past the vocabulary kills SGLang 0.5.23's scheduler: refused there.
+        (
+            "/generate",
+            {"text": "hello", "return_logprob": True, "top_logprobs_num": 10**6},
+            "top_logprobs_num",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "logprobs": True,
+                "top_logprobs": 10**5,
+                "max_tokens": 2,
+            },
+            "top_logprobs_num",
+        ),
         ("/generate", {"text": ["<|pic_chunk|>abcdef<|pic_chunk|>", "x"]}, "batch of texts"),
         ("/generate", {"text": "<|pic_chunk|>a<|pic_chunk|>?"}, "at least 4"),
         ("/generate", {"text": "<|pic_chunk|>Lyon and Kyoto<|pic_chunk|>" * 4}, "at most 3"),
@@ -194,5 +211,16 @@ def test_the_scheduler_refuses_ids_outside_the_vocabulary(sglang_launcher_server
         r = server.generate({"input_ids": bad, "sampling_params": {"max_new_tokens": 2}})
         assert 400 <= r.status_code < 500, r.text
         assert "outside the vocabulary" in r.text
+    # No middleware here: the scheduler's gate alone refuses a top-k past the vocabulary.
+    r = server.generate(
+        {
+            "input_ids": [1, 2],
+            "return_logprob": True,
+            "top_logprobs_num": VOCAB + 1,
+            "sampling_params": {"max_new_tokens": 2},
+        }
+    )
+    assert 400 <= r.status_code < 500, r.text
+    assert "top_logprobs_num" in r.text
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
     assert answer(server, CANARY).tokens

@@ -1,7 +1,9 @@
+import os
 import threading
 import time
 
 import pytest
+import torch
 
 from sgl_pic.store import disk as disk_mod
 from sgl_pic.store import format as fmt
@@ -217,3 +219,24 @@ def test_shutdown_stops_a_direct_disk_write_cleanly(tmp_path, monkeypatch):
     t.join(5)
     assert result == [False] and rep.joined
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_bad_disk_header_is_dropped_on_peek_and_stored_afresh(tmp_path):
+    # No host memory, so every repeat is served from disk (as in a server run with host
+    # tier 0): a header that goes bad must not make the chunk miss forever.
+    store = tiered(tmp_path, host_records=0)
+    rec = make_record(seed=3)
+    assert store.put(rec)
+    assert store.locate(rec.key) == "disk"
+    path = store.disk.path_of(rec.key)
+    os.truncate(path, path.stat().st_size // 2)
+    assert store.peek_ranking(rec.key, rec.token_ids) is None
+    assert not store.contains(rec.key) and store.locate(rec.key) is None
+    assert store.stats().errors.get("truncated") == 1 and not path.exists()
+    # What LowerTiers.put_chunk does on the miss: the chunk is not held, so it is put.
+    assert store.put(rec) and store.locate(rec.key) == "disk"
+    peek = store.peek_ranking(rec.key, rec.token_ids)
+    assert peek is not None and torch.equal(peek.ranking, rec.ranking)
+    got = store.get(rec.key, rec.token_ids)
+    assert got is not None and same_record(got, rec)
+    store.close()
