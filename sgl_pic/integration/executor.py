@@ -23,7 +23,8 @@ phase 2: each chunked request's selected positions (``planner.select``) as conti
 
 Rows of tokens not recomputed are zero in the returned hidden states; SGLang's logits
 processor reads only each request's last row, which is always recomputed. Requests asking
-for input-token logprobs therefore run as plain requests.
+for input-token logprobs therefore run as plain requests (and requests for every row's hidden
+state never reach here: the gate runs them exact).
 """
 
 from __future__ import annotations

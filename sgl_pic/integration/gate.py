@@ -134,6 +134,11 @@ class AdmissionGate:
             # Chunk keys name the base model's weights, not an adapter's.
             self._ignore(req, "lora")
             return None
+        if getattr(req, "return_hidden_states", False) is True:
+            # Every prompt row's hidden state is asked for, and the chunk path computes only
+            # the recomputed rows ("last" asks for the last row, which it always computes).
+            self._ignore(req, "hidden_states")
+            return None
         if getattr(req, "session", None) is not None:
             # A streaming session lends each turn the session's own KV whatever the
             # namespace, so an approximate turn would reach a later exact one; any session

@@ -229,3 +229,19 @@ def test_a_top_logprobs_count_outside_the_vocabulary_is_refused(
     # Without logprobs SGLang never takes the top-k.
     r.return_logprob = False
     assert gate(metrics).admit(r) is None
+
+
+@pytest.mark.parametrize(("mode", "honoured"), [(True, False), ("last", True), (False, True)])
+def test_marks_of_a_request_for_every_hidden_state_are_not_honoured(
+    metrics: PicMetrics, mode: Any, honoured: bool
+) -> None:
+    # The chunk path leaves rows it does not recompute empty; only the last row is always
+    # computed, which is what "last" asks for.
+    before = ignored(metrics, "hidden_states")
+    r = req(IDS, signed(IDS, [[0, 5], [5, 12]]))
+    r.return_hidden_states = mode
+    assert gate(metrics).admit(r) is None
+    assert hasattr(r, PENDING_ATTR) == honoured
+    if not honoured:
+        assert_plain(r)
+    assert ignored(metrics, "hidden_states") == before + (0 if honoured else 1)
