@@ -86,20 +86,51 @@ class AttnGroup(NamedTuple):
 
 
 def query_blocks(q_index: torch.Tensor, num_keys: int) -> tuple[QueryBlock, ...]:  # [nq]
-    """One causal block when every key has its query; otherwise blocks of
-    ``_QUERY_BLOCK`` queries, each against only the keys it can see. A full [nq, nk]
-    boolean mask sends SDPA down its slow path on the CPU (about 7x slower at 2k tokens),
-    and the causal cut skips keys no query of the block reaches."""
+    """One causal block when every key has its query; otherwise the sorted queries cut
+    into blocks (``block_cuts``), each against only the keys its last query sees. A full
+    [nq, nk] boolean mask sends SDPA down its slow path on the CPU (about 7x slower at 2k
+    tokens), and a masked key still costs what a seen one does."""
     n = q_index.numel()
     if n == num_keys and bool((q_index == torch.arange(n, device=q_index.device)).all()):
         return (QueryBlock(0, n, n, None),)
     key_pos = torch.arange(num_keys, device=q_index.device)
+    last_seen = (q_index + 1).tolist()  # host: keys up to each query, for the cuts
     blocks = []
-    for s in range(0, n, _QUERY_BLOCK):
-        qi = q_index[s : s + _QUERY_BLOCK]
-        hi = int(qi.max()) + 1
-        blocks.append(QueryBlock(s, s + qi.numel(), hi, key_pos[None, :hi] <= qi[:, None]))
+    for s, e in block_cuts(last_seen):
+        qi = q_index[s:e]
+        hi = last_seen[e - 1]
+        blocks.append(QueryBlock(s, e, hi, key_pos[None, :hi] <= qi[:, None]))
     return tuple(blocks)
+
+
+def block_cuts(last_seen: list[int]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) blocks of queries sorted by position (``last_seen[i]``:
+    the keys query i sees, non-decreasing) that minimise the attention work: a block
+    attends every one of its queries to its last query's keys, and each block is one
+    more SDPA call. Work is counted in query-key pairs, a call as ``_BLOCK_CALL_PAIRS``
+    of them; cuts fall every ``_MIN_BLOCK`` queries (fewer rows waste the kernel's own
+    query tiles), and a block holds at most ``_QUERY_BLOCK`` queries. A selection spread
+    over a prompt, with the question's run at its end, is where fixed blocks of 128 lost
+    most (``bench/query_blocks.py``)."""
+    n = len(last_seen)
+    cuts = [*range(0, n, _MIN_BLOCK), n]
+    # best[j]: least work of the queries before cuts[j]; back[j]: where its last block starts.
+    best = [0] * len(cuts)
+    back = [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        end, keys = cuts[j], last_seen[cuts[j] - 1]
+        first = j - 1
+        while first > 0 and end - cuts[first - 1] <= _QUERY_BLOCK:
+            first -= 1
+        best[j], back[j] = min(
+            (best[i] + _BLOCK_CALL_PAIRS + (end - cuts[i]) * keys, i) for i in range(first, j)
+        )
+    blocks = []
+    j = len(cuts) - 1
+    while j:
+        blocks.append((cuts[back[j]], cuts[j]))
+        j = back[j]
+    return blocks[::-1]
 
 
 def grouped_forward_extend(
@@ -144,7 +175,12 @@ def grouped_forward_extend(
     return o.view(q_.shape[0], num_heads * v_dim)
 
 
-_QUERY_BLOCK = 128
+# The cost model of ``block_cuts``, from SDPA on two CPU threads with SmolLM2-135M's
+# heads: a call costs about what 4k more query-key pairs do, and blocks under 16 queries
+# cost more per pair (``bench/query_blocks.py``).
+_QUERY_BLOCK = 256
+_MIN_BLOCK = 16
+_BLOCK_CALL_PAIRS = 4096
 
 
 def row_groups(

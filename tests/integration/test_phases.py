@@ -173,16 +173,18 @@ def test_torch_native_phase_extend_equals_sglangs_loop() -> None:
 
 
 def test_phase_extend_over_several_blocks_and_a_whole_prompt() -> None:
-    # Row 0: 300 keys, 200 scattered queries in runs (two query blocks); row 1: a prompt
-    # computed from position 0, every key with its query (plain causal attention).
+    # Row 0: 300 keys, 200 queries: runs of 4 spread over 240 positions, then a run of 40
+    # (cut into three blocks); row 1: a prompt computed from position 0, every key with its
+    # query (plain causal attention).
     env = Env(lengths=(300, 30), slots=512)
     subs = [SubRequest(env.rows[0], a, 4) for a in range(0, 240, 6)]
     subs += [SubRequest(env.rows[0], 240, 40), SubRequest(env.rows[1], 0, 30)]
     built = check_against_sglang(env, subs)
     scattered, whole = built
-    assert [(b.start, b.end) for b in scattered.blocks] == [(0, 128), (128, 200)]
-    assert scattered.blocks[0].keys == int(scattered.q_index[127]) + 1
-    assert all(b.mask is not None for b in scattered.blocks)
+    assert [(b.start, b.end) for b in scattered.blocks] == [(0, 64), (64, 128), (128, 200)]
+    for b in scattered.blocks:
+        assert b.keys == int(scattered.q_index[b.end - 1]) + 1
+        assert b.mask is not None and b.mask.shape == (b.end - b.start, b.keys)
     assert [(b.start, b.end, b.keys, b.mask) for b in whole.blocks] == [(0, 30, 30, None)]
 
 
