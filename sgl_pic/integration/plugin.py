@@ -98,7 +98,7 @@ def build_tree_cache(ctx: Any) -> Any:
             allocator, fingerprint, settings.config.segment_tokens, capacity, settings.eviction
         )
 
-    cache = radix_cache.build(ctx, make_table)
+    cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set)
     assert cache.chunk_nodes is not None
     if not support.ok:
         logger.error(

@@ -21,12 +21,22 @@ from sgl_pic.integration.chunk_nodes import ChunkNodeTable
 
 class ChunkRadixCache(UnifiedRadixCache):
     """``chunk_nodes`` is attached right after construction (``attach``); until then the
-    cache is SGLang's unchanged."""
+    cache is SGLang's unchanged. ``on_chunk_change(allocated_tokens)``, if given, is called
+    after SGLang's eviction or a flush frees chunk nodes (between batches, where the
+    executor's own count of them is not refreshed)."""
 
     chunk_nodes: ChunkNodeTable | None = None
+    on_chunk_change: Callable[[int], None] | None = None
 
-    def attach(self, table: ChunkNodeTable) -> None:
+    def attach(
+        self, table: ChunkNodeTable, on_chunk_change: Callable[[int], None] | None = None
+    ) -> None:
         self.chunk_nodes = table
+        self.on_chunk_change = on_chunk_change
+
+    def _changed(self) -> None:
+        if self.on_chunk_change is not None and self.chunk_nodes is not None:
+            self.on_chunk_change(self.chunk_nodes.allocated_tokens)
 
     # ----------------------------------------------------------------- sizes
     def _chunk_evictable(self) -> int:
@@ -52,7 +62,10 @@ class ChunkRadixCache(UnifiedRadixCache):
         result = super().evict(params)
         short = params.num_tokens - result.num_tokens_evicted
         if short > 0 and self.chunk_nodes is not None:
-            result.num_tokens_evicted += self.chunk_nodes.evict(short)
+            freed = self.chunk_nodes.evict(short)
+            result.num_tokens_evicted += freed
+            if freed:
+                self._changed()
         return result
 
     def evict_for_alloc(
@@ -67,6 +80,7 @@ class ChunkRadixCache(UnifiedRadixCache):
         )
         if self.chunk_nodes is None:
             return result
+        evicted = result.num_tokens_evicted
         while self.chunk_nodes.evictable_tokens > 0:
             if allocation_reclaim_satisfied is not None:
                 if allocation_reclaim_satisfied():
@@ -81,6 +95,8 @@ class ChunkRadixCache(UnifiedRadixCache):
             if freed == 0:
                 break
             result.num_tokens_evicted += freed
+        if result.num_tokens_evicted > evicted:
+            self._changed()
         return result
 
     def reset(self) -> None:
@@ -88,6 +104,7 @@ class ChunkRadixCache(UnifiedRadixCache):
         if self.chunk_nodes is not None:
             # flush_cache clears the allocator right after resetting the tree.
             self.chunk_nodes.clear(free=False)
+            self._changed()
 
     def available_and_evictable_str(self) -> str:
         base = super().available_and_evictable_str()
@@ -100,12 +117,17 @@ class ChunkRadixCache(UnifiedRadixCache):
         )
 
 
-def build(ctx: Any, make_table: Callable[[Any], ChunkNodeTable]) -> ChunkRadixCache:
-    """SGLang's unified radix cache built as ``ChunkRadixCache``, its chunk table attached."""
+def build(
+    ctx: Any,
+    make_table: Callable[[Any], ChunkNodeTable],
+    on_chunk_change: Callable[[int], None] | None = None,
+) -> ChunkRadixCache:
+    """SGLang's unified radix cache built as ``ChunkRadixCache``, its chunk table attached
+    (``on_chunk_change``: ``ChunkRadixCache``)."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
     cache = create_unified_radix_cache(ctx, cache_class=ChunkRadixCache)
     if not isinstance(cache, ChunkRadixCache):
         raise RuntimeError(f"SGLang built {type(cache).__name__}, not the sgl_pic cache class")
-    cache.attach(make_table(cache.token_to_kv_pool_allocator))
+    cache.attach(make_table(cache.token_to_kv_pool_allocator), on_chunk_change)
     return cache

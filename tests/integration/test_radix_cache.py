@@ -300,3 +300,24 @@ def test_reset_refuses_while_a_request_holds_chunk_nodes() -> None:
     env.chunk_insert(CHUNK_Y, lock=True)
     with pytest.raises(RuntimeError):
         env.cache.reset()
+
+
+@PAGES
+def test_chunk_node_count_is_reported_when_eviction_or_a_flush_frees_nodes(page_size: int) -> None:
+    # The executor refreshes the slots gauge after its batches; SGLang's eviction and
+    # /flush_cache free chunk nodes between them, and report it through the callback.
+    env = Env(page_size, attach=False)
+    seen: list[int] = []
+    env.cache.attach(env.table, seen.append)
+    tree_lock, y_nodes = env.populate()
+    held = env.table.allocated_tokens
+    env.cache.evict(EvictParams(num_tokens=5))  # the tree alone: no chunk node freed
+    assert seen == []
+    env.cache.evict(EvictParams(num_tokens=1))
+    assert seen == [held - 4] == [env.table.allocated_tokens]
+    env.cache.evict_for_alloc(EvictParams(num_tokens=env.pad(3)))
+    assert seen[-1] == env.table.allocated_tokens < held - 4 and len(seen) == 2
+    env.table.unlock(y_nodes)
+    env.cache.unlock(tree_lock)
+    env.cache.reset()
+    assert seen[-1] == 0 and len(seen) == 3
