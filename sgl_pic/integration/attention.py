@@ -175,9 +175,11 @@ def grouped_forward_extend(
     return o.view(q_.shape[0], num_heads * v_dim)
 
 
-# The cost model of ``block_cuts``, from SDPA on two CPU threads with SmolLM2-135M's
-# heads: a call costs about what 4k more query-key pairs do, and blocks under 16 queries
-# cost more per pair (``bench/query_blocks.py``).
+# The cost model of ``block_cuts``, chosen by timing SDPA on two CPU threads with
+# SmolLM2-135M's heads over query sets recorded from the tools stream
+# (``bench/query_blocks.py`` records and times them): a call is charged as 4k query-key
+# pairs, more than its own overhead, since blocks of few queries also fill the kernel's
+# query tiles less well; under 16 queries a block costs clearly more per pair.
 _QUERY_BLOCK = 256
 _MIN_BLOCK = 16
 _BLOCK_CALL_PAIRS = 4096
