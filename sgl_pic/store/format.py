@@ -337,34 +337,44 @@ def _parse_header(
         raise CorruptRecordError("header is not a map")
     if model_digest is not None and h.get("model") != model_digest:
         raise ForeignModelError(f"record is for another model than {model_digest[:12]}")
-    if h.get("dtype") not in DTYPES:
-        raise UnsupportedFormatError(f"dtype {h.get('dtype')!r} unknown to this reader")
+    dtype = h.get("dtype")
+    if not isinstance(dtype, str):
+        raise CorruptRecordError(f"header dtype is a {type(dtype).__name__}, not a name")
+    if dtype not in DTYPES:
+        raise UnsupportedFormatError(f"dtype {dtype!r} unknown to this reader")
     try:
-        dtype = h["dtype"]
-        num_tokens, num_layers = int(h["num_tokens"]), int(h["num_layers"])
-        token_ids = tuple(int(t) for t in h["token_ids"])
+        # Exact types and ranges: a header with a valid checksum is still anyone's bytes
+        # (a shared disk or store), and a float, a bool or an out-of-range integer here
+        # must read as a corrupt record, never as an exception its callers do not expect.
+        num_tokens, num_layers = _int(h, "num_tokens"), _int(h, "num_layers")
+        token_ids = h["token_ids"]
+        if not isinstance(token_ids, list) or not all(
+            type(t) is int and 0 <= t < 1 << 32 for t in token_ids
+        ):
+            raise ValueError("token_ids is not a list of uint32")
+        token_ids = tuple(token_ids)
         ranking = None
         if h["ranking"] is not None:
-            ranking = torch.from_numpy(np.frombuffer(h["ranking"], dtype="<f4").copy())
+            ranking = torch.from_numpy(np.frombuffer(_bytes(h["ranking"]), dtype="<f4").copy())
         header = RecordHeader(
-            version=int(h["version"]),
+            version=_int(h, "version"),
             key=check_key(h["key"]),
             model_digest=check_key(h["model"]),
             dtype=dtype,
-            layer_start=int(h["layer_start"]),
+            layer_start=_int(h, "layer_start", low=0),
             num_layers=num_layers,
             num_tokens=num_tokens,
-            num_kv_heads=int(h["num_kv_heads"]),
-            head_dim=int(h["head_dim"]),
+            num_kv_heads=_int(h, "num_kv_heads"),
+            head_dim=_int(h, "head_dim"),
             token_ids=token_ids,
-            token_ids_hash=str(h["token_ids_hash"]),
+            token_ids_hash=_str(h["token_ids_hash"]),
             ranking=ranking,
-            block_tokens=int(h["block_tokens"]),
-            k_sums=tuple(bytes(s) for s in h["k_sums"]),
-            v_sums=tuple(bytes(s) for s in h["v_sums"]),
+            block_tokens=_int(h, "block_tokens"),
+            k_sums=tuple(_bytes(s) for s in _list(h["k_sums"])),
+            v_sums=tuple(_bytes(s) for s in _list(h["v_sums"])),
             data_offset=PREFIX_BYTES + header_len + (-(PREFIX_BYTES + header_len) % ALIGN),
         )
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError, msgpack.UnpackException) as exc:
         raise CorruptRecordError(f"unreadable header: {exc}") from exc
     expected_sums = header.num_blocks * DIGEST_BYTES
     if (
@@ -384,6 +394,36 @@ def _parse_header(
     if file_size > header.file_size:
         raise CorruptRecordError(f"file has {file_size} bytes, header says {header.file_size}")
     return header
+
+
+# Header fields above this are no record's: a few billion tokens, layers or heads.
+_MAX_FIELD = 1 << 31
+
+
+def _int(h: dict, name: str, low: int = 1) -> int:
+    """Field ``name`` of a header map as an int in [low, 2**31), else ValueError."""
+    value = h[name]
+    if type(value) is not int or not low <= value < _MAX_FIELD:
+        raise ValueError(f"header field {name} is {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _bytes(value: Any) -> bytes:
+    if not isinstance(value, bytes):
+        raise ValueError(f"expected bytes, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list, got {type(value).__name__}")
+    return value
 
 
 def _check_expectations(

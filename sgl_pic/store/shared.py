@@ -28,7 +28,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -370,6 +370,20 @@ class SharedStore(ChunkStore):
             if record.key in self._pending or record.key in self._headers:
                 return True
             self._pending.add(record.key)
+        # The writer reads the record later, on its own thread: it gets a host copy made
+        # now, in the caller's stream order, since the caller may reuse its buffers (on an
+        # accelerator, still being filled by queued kernels) once ``put`` returns.
+        try:
+            record = replace(
+                record,
+                k=record.k.to("cpu", copy=True),
+                v=record.v.to("cpu", copy=True),
+                ranking=None if record.ranking is None else record.ranking.to("cpu", copy=True),
+            )
+        except BaseException:
+            with self._lock:
+                self._pending.discard(record.key)
+            raise
 
         def write() -> None:
             try:

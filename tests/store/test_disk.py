@@ -70,6 +70,21 @@ def test_index_is_rebuilt_after_restart(tmp_path):
         assert got is not None and same_record(got, r)
 
 
+def test_a_file_with_mistyped_header_fields_neither_stops_a_restart_nor_a_read(tmp_path):
+    from tests.store.test_format import _with_header
+
+    good, bad = make_record(seed=1), make_record(seed=2)
+    first = disk(tmp_path)
+    first.put(good)
+    first.put(bad)
+    del first
+    _with_header(disk(tmp_path).path_of(bad.key), dtype=["float32"], num_tokens=float("inf"))
+    second = disk(tmp_path)  # the index rebuild reads every header
+    assert second.get(bad.key) is None and second.peek_header(bad.key) is None
+    got = second.get(good.key, good.token_ids)
+    assert got is not None and same_record(got, good)
+
+
 def _flip(path, offset):
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0xFF

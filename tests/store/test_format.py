@@ -168,6 +168,38 @@ def test_a_valid_record_of_another_build_is_foreign_or_newer_never_corrupt(tmp_p
         read_header(path, MODEL)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"dtype": ["float32"]},
+        {"dtype": 4},
+        {"num_tokens": float("inf")},
+        {"num_tokens": True},
+        {"num_layers": 1 << 40},
+        {"head_dim": "64"},
+        {"layer_start": -1},
+        {"token_ids": [-1, 2]},
+        {"token_ids": "ab"},
+        {"token_ids_hash": 7},
+        {"ranking": [1.0]},
+        {"k_sums": "not a list"},
+        {"v_sums": [3]},
+        {"key": None},
+    ],
+    ids=lambda c: "-".join(f"{k}={v!r}" for k, v in c.items()),
+)
+def test_a_header_field_of_the_wrong_type_or_range_is_corrupt(tmp_path, record, changes):
+    # A header whose checksum holds is still anyone's bytes (a shared directory or
+    # store): its fields must read as a corrupt record, never raise something else.
+    path = tmp_path / "r.sglkv"
+    write_record(path, record)
+    _with_header(path, **changes)
+    with pytest.raises(CorruptRecordError):
+        read_header(path, MODEL)
+    with pytest.raises(CorruptRecordError):
+        read_record(path, MODEL)
+
+
 @pytest.mark.parametrize("fail_on", ["write", "fsync"])
 def test_failed_write_leaves_nothing(tmp_path, record, monkeypatch, fail_on):
     calls = {"n": 0}

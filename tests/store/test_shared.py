@@ -3,6 +3,7 @@ de-duplicated across clients, bad objects, and an unreachable or restarted store
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -72,6 +73,26 @@ def test_written_by_one_read_by_another(stores: tuple[SharedStore, SharedStore])
     got = b.get(rec.key, rec.token_ids)
     assert got is not None and same_record(got, rec)
     assert torch.equal(b.peek_ranking(rec.key, rec.token_ids), rec.ranking)  # type: ignore[arg-type]
+
+
+def test_put_keeps_what_was_put_when_the_caller_reuses_its_tensors(
+    stores: tuple[SharedStore, SharedStore],
+) -> None:
+    # The write runs later, on the writer thread; the caller may reuse its buffers as
+    # soon as put returns (the writer is held busy here, as under load).
+    a, b = stores
+    rec, want = make_record(seed=12), make_record(seed=12)
+    gate = threading.Event()
+    assert a._writer.submit(gate.wait)
+    try:
+        assert a.put(rec)
+        rec.k.zero_()
+        rec.v.fill_(7.0)
+    finally:
+        gate.set()
+    a.flush()
+    got = b.get(want.key, want.token_ids)
+    assert got is not None and same_record(got, want)
 
 
 def test_sparse_layer_read_is_verified_and_moves_only_touched_blocks(
