@@ -185,8 +185,15 @@ class BoundedStore(ChunkStore):
 
     def _make_room_locked(self, incoming: int) -> tuple[list[tuple[str, int]], bool]:
         """Evict until ``incoming`` more bytes fit; (evicted, whether they fit). A put that
-        does not fit is counted as rejected."""
+        cannot fit is counted as rejected and evicts nothing."""
         need = self._used + incoming - self._capacity
+        if need > 0:
+            unlocked = sum(e.nbytes for e in self._entries.values() if e.locks == 0)
+            if unlocked < need:
+                # Evicting could not make room (the put exceeds the capacity, or locked
+                # entries hold it): refuse before dropping anything.
+                self._counts["rejected_puts"] += 1
+                return [], False
         evicted = self._evict_locked(need) if need > 0 else []
         fits = self._used + incoming <= self._capacity
         if not fits:

@@ -240,6 +240,23 @@ def test_capacity_eviction_respects_locks(tmp_path):
     assert store.stats().rejected_puts == 1 and store.stats().entries == 3
 
 
+def test_a_put_that_cannot_fit_evicts_nothing(tmp_path):
+    small = [make_record(seed=i) for i in range(3)]
+    size = len(fmt.encode_record(small[0]).head) + small[0].nbytes
+    store = disk(tmp_path, capacity=3 * size)
+    for r in small:
+        assert store.put(r)
+    # Larger than the whole tier: refused, and the records it would have pushed out stay.
+    assert not store.put(make_record(seed=9, num_tokens=200))
+    assert all(store.contains(r.key) for r in small)
+    # Room only by evicting a locked record: the unlocked ones stay too.
+    store.lock(small[0].key)
+    store.lock(small[1].key)
+    assert not store.put(make_record(seed=10, num_tokens=120))
+    assert store.contains(small[2].key) and store.path_of(small[2].key).exists()
+    assert store.stats().evictions == 0 and store.stats().rejected_puts == 2
+
+
 def test_startup_removes_stale_temp_files_only(tmp_path, record):
     store = disk(tmp_path)
     store.put(record)

@@ -111,6 +111,18 @@ def test_locked_entries_are_never_evicted():
     assert not store.lock("0" * 64)
 
 
+def test_a_put_that_cannot_fit_evicts_nothing():
+    store = host(n_records=2)
+    a, b = make_record(seed=1), make_record(seed=2)
+    store.put(a)
+    store.put(b)
+    store.lock(a.key)
+    # Fits only if the locked record went too: refused, and the unlocked one stays.
+    assert not store.put(make_record(seed=3, num_tokens=2 * a.num_tokens))
+    assert store.contains(a.key) and store.contains(b.key)
+    assert store.stats().evictions == 0 and store.stats().rejected_puts == 1
+
+
 def test_locked_context_manager():
     store = host()
     a = make_record()
