@@ -121,7 +121,7 @@ def build_tree_cache(ctx: Any) -> Any:
             "and this model's rotary table (partial rotary or attention scaling) has none"
         )
     elif settings.has_lower_tiers:
-        lower, shutdown = _lower_tiers(settings, fingerprint, spec.inv_freq.cpu(), metrics)
+        lower, shutdown = _lower_tiers(settings, fingerprint, spec, metrics)
     ratios = None
     if settings.calibrate and lower is not None:
         from sgl_pic.integration.calibration import calibrate_tiers
@@ -186,14 +186,24 @@ def build_tree_cache(ctx: Any) -> Any:
     return cache
 
 
-def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, metrics: Any) -> Any:
-    """Host and disk tiers keyed by the pre-RoPE fingerprint. With the disk tier off, its
-    place is a zero-capacity tier in a private temporary directory that keeps nothing.
-    Their queued disk writes finish (bounded) or are dropped cleanly when this scheduler
-    process exits or gets SIGTERM/SIGINT, counted into ``metrics`` (``lifecycle``)."""
+def _lower_tiers(settings: Any, fingerprint: Any, spec: Any, metrics: Any) -> Any:
+    """Host and disk tiers (``lower_tiers_of``). Their queued disk writes finish (bounded)
+    or are dropped cleanly when this scheduler process exits or gets SIGTERM/SIGINT,
+    counted into ``metrics`` (``lifecycle``)."""
+    from sgl_pic.integration.lifecycle import install_shutdown
+
+    lower = lower_tiers_of(settings, fingerprint, spec)
+    # build_tree_cache runs on the scheduler's main thread, where signal handlers can be set.
+    return lower, install_shutdown(lower, metrics)
+
+
+def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any) -> Any:
+    """Host and disk tiers keyed by the pre-RoPE fingerprint, rotating keys as the model's
+    RoPE does (``spec``: its ``RopeSpec``; frequencies and pairing both, since phase 1
+    stores keys un-rotated by that pairing). With the disk tier off, its place is a
+    zero-capacity tier in a private temporary directory that keeps nothing."""
     import tempfile
 
-    from sgl_pic.integration.lifecycle import install_shutdown
     from sgl_pic.integration.lower_tiers import LowerTiers
     from sgl_pic.store.disk import DiskStoreConfig
     from sgl_pic.store.host import HostStoreConfig
@@ -223,9 +233,14 @@ def _lower_tiers(settings: Any, fingerprint: Any, inv_freq: torch.Tensor, metric
     store = TieredStore(config, pre.digest(), shared=shared)
     # Loads land in host memory; on a GPU the layer feed stages them through pinned memory
     # and copies them on a side stream, one event per layer (``layer_feed``).
-    lower = LowerTiers(store, pre, settings.config.segment_tokens, inv_freq, device="cpu")
-    # build_tree_cache runs on the scheduler's main thread, where signal handlers can be set.
-    return lower, install_shutdown(lower, metrics)
+    return LowerTiers(
+        store,
+        pre,
+        settings.config.segment_tokens,
+        spec.inv_freq.cpu(),
+        layout=spec.layout,
+        device="cpu",
+    )
 
 
 def _admit_hook(original: Any, req: Any, *args: Any, **kwargs: Any) -> str | None:

@@ -111,3 +111,41 @@ def test_hand_off_is_per_batch_by_request_id_and_token_checked(executor: FakeExe
     plugin._after_prepare_for_extend(None, batch)
     assert executor.handoff == {"a": good}
     assert executor.metrics.marks_ignored.n == 1
+
+
+@pytest.mark.parametrize("layout", ["neox", "interleaved"])
+def test_lower_tiers_rotate_keys_by_the_models_own_pairing(layout: str) -> None:
+    # Phase 1 stores keys un-rotated by the model's pairing; a tier that rotates them back
+    # by another pairing would hand every later request (and the chunk nodes promoted from
+    # it) wrong keys.
+    from sgl_pic.config import PicConfig
+    from sgl_pic.integration.kv_access import KVAccess
+    from sgl_pic.integration.model_rope import ModelRope
+    from sgl_pic.integration.settings import PicServerSettings
+    from sgl_pic.keys import ModelFingerprint
+    from sgl_pic.rope import default_inv_freq, rotate_layers
+    from tests.integration.fakes import FakePool
+
+    layers, heads, dim, n = 2, 2, 8, 6
+    inv_freq = default_inv_freq(dim, 10000.0)
+    rope = ModelRope.plain(inv_freq, layout=layout)
+    g = torch.Generator().manual_seed(0)
+    k_true = torch.randn(layers, n, heads, dim, generator=g)
+    v = torch.randn(layers, n, heads, dim, generator=g)
+    post = rotate_layers(k_true, torch.arange(n), inv_freq, layout)  # as phase 1 leaves them
+    k_pre = KVAccess(FakePool(64, layers, heads, dim), layers, rope).pre_rope_keys(
+        torch.stack([post, v], dim=1)
+    )
+    settings = PicServerSettings(PicConfig(), host_cache_mb=4)
+    fingerprint = ModelFingerprint(model_id="m", dtype="float32")
+    lower = plugin.lower_tiers_of(settings, fingerprint, rope.spec)
+    try:
+        tokens = list(range(100, 100 + n))
+        lower.put_chunk(tokens, k_pre, v, None)
+        hit = lower.match(tokens)
+        assert hit is not None
+        full = lower.load_full(hit, tokens)
+        assert full is not None
+        torch.testing.assert_close(full[:, 0], post, atol=1e-5, rtol=1e-5)
+    finally:
+        lower.store.close()
