@@ -212,16 +212,19 @@ class PhaseRunner:
         """The phase batch of ``subrequests`` (# [sum extend] ``input_ids``), planned by
         the attention backend: after this the backend's metadata describes it."""
         phase = build_phase_batch(live, subrequests, input_ids, self.req_to_token, self.translator)
-        paged = getattr(self.backend, "use_paged", None)
+        # SGLang's HybridAttnBackend (prefill and decode backends differ) plans an extend
+        # batch with its prefill half: that is the backend whose path matters here.
+        planner = getattr(self.backend, "prefill_backend", None) or self.backend
+        paged = getattr(planner, "use_paged", None)
         if paged is False:
             # FlashInfer: its ragged extend attends the prefix before this layer's writes
             # (see module doc); the paged path writes first. Read only while planning.
-            self.backend.use_paged = True
+            planner.use_paged = True
         try:
             self.backend.init_forward_metadata(phase.forward_batch)
         finally:
             if paged is False:
-                self.backend.use_paged = False
+                planner.use_paged = False
         return phase
 
     @property

@@ -145,6 +145,19 @@ def test_flashinfer_plans_phase_batches_on_its_paged_path() -> None:
     assert runner.max_subrequests == env.req_pool.size
 
 
+def test_flashinfer_as_the_prefill_half_of_a_hybrid_backend_plans_paged_too() -> None:
+    # Prefill and decode backends that differ are SGLang's HybridAttnBackend, which has no
+    # use_paged of its own and plans an extend batch with its prefill half.
+    env = Env()
+    seen: list[bool] = []
+    prefill = SimpleNamespace(use_paged=False)
+    hybrid = SimpleNamespace(prefill_backend=prefill, decode_backend=SimpleNamespace())
+    hybrid.init_forward_metadata = lambda fb: seen.append(prefill.use_paged)
+    runner = PhaseRunner(hybrid, env.req_pool.req_to_token, None, env.req_pool)
+    runner.prepare(env.live(), subrequests(env), torch.arange(36))
+    assert seen == [True] and prefill.use_paged is False
+
+
 def test_the_backend_plans_the_phase_batch() -> None:
     env = Env()
     planned: list[Any] = []
