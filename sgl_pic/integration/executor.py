@@ -352,7 +352,9 @@ class ChunkExecutor:
                 # Pre-RoPE keys, once: CacheTune ranks them and the lower tiers store them.
                 k_pre = self.kv.pre_rope_keys(kv)
                 # The server's alpha: the chunk's keys name it (``ranking_recipe``).
-                ranking = cachetune_ranking(k_pre, kv[:, 1], self.config.cachetune_alpha)
+                ranking = cachetune_ranking(
+                    k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.reduce
+                )
                 self._store(chunk_ids, kv, ranking)
                 if self.lower is not None:
                     # Write-through: the host tier then puts it on disk in the background.

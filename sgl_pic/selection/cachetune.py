@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -42,12 +43,20 @@ from sgl_pic.selection.base import (
 from sgl_pic.selection.registry import register_policy
 
 
-def cachetune_ranking(k: torch.Tensor, v: torch.Tensor, alpha: float) -> torch.Tensor:
+def cachetune_ranking(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: float,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Per-token recompute priority of one chunk (# [num_tokens] float32).
 
     k: # [num_layers, num_tokens, num_kv_heads, head_dim], pre-RoPE keys
     v: # [num_layers, num_tokens, num_kv_heads, head_dim_v]
     alpha: fraction of the lowest rFFT bins kept, in (0, 1].
+    reduce: sums a tensor over tensor-parallel ranks, each of which holds some of the
+        heads; with it every rank computes the ranking of all heads, so that all ranks
+        select the same tokens (None: this rank holds every head).
     """
     if k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -65,7 +74,15 @@ def cachetune_ranking(k: torch.Tensor, v: torch.Tensor, alpha: float) -> torch.T
     if num_layers == 0 or num_tokens == 0:
         raise ValueError(f"k and v need at least one layer and one token, got {tuple(k.shape)}")
 
-    magnitude = _low_pass_magnitude(k, alpha) + _low_pass_magnitude(v, alpha)  # [L, N]
+    if reduce is None:
+        magnitude = _low_pass_magnitude(k, alpha) + _low_pass_magnitude(v, alpha)  # [L, N]
+    else:
+        # The norm over heads x dims is the root of a sum over heads: sum the squares over
+        # the ranks' heads first.
+        magnitude = (
+            reduce(_low_pass(k, alpha).square().sum(dim=2)).sqrt()
+            + reduce(_low_pass(v, alpha).square().sum(dim=2)).sqrt()
+        )
     return _standardise(magnitude).mean(dim=0).to(torch.float32)
 
 
@@ -125,6 +142,15 @@ def _low_pass_magnitude(x: torch.Tensor, alpha: float) -> torch.Tensor:
 
     x: # [num_layers, num_tokens, num_heads, head_dim]
     """
+    return _low_pass(x, alpha).norm(dim=2)
+
+
+def _low_pass(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The low-frequency part of ``x`` along the tokens, heads x dims flattened
+    (# [num_layers, num_tokens, num_heads * head_dim] float).
+
+    x: # [num_layers, num_tokens, num_heads, head_dim]
+    """
     # FFTs of half precision are limited on CPU and lossy; float64 stays float64.
     work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     num_layers, num_tokens = work.shape[:2]
@@ -138,7 +164,7 @@ def _low_pass_magnitude(x: torch.Tensor, alpha: float) -> torch.Tensor:
         spectrum = torch.fft.rfft(flat, dim=1)
         spectrum[:, keep:] = 0
         flat = torch.fft.irfft(spectrum, n=num_tokens, dim=1)
-    return flat.norm(dim=2)
+    return flat
 
 
 # The projection costs ~alpha * N^2 per channel against the FFTs' ~N log N: measured on

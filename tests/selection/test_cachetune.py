@@ -66,6 +66,25 @@ def test_low_pass_equals_the_rfft_filter(tokens: int, alpha: float) -> None:
     torch.testing.assert_close(got32.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [40, 700])  # the projection and the FFT filter
+def test_ranks_holding_some_heads_each_rank_all_heads_with_a_reduce(tokens: int) -> None:
+    # Under tensor parallelism each rank holds some KV heads; ranks that ranked their own
+    # heads alone would select different tokens and sum partial results of different rows.
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(3, tokens, 4, 8, generator=g)
+    v = torch.randn(3, tokens, 4, 8, generator=g)
+    whole = cachetune_ranking(k, v, 0.3)
+    shards = [(k[:, :, :2], v[:, :, :2]), (k[:, :, 2:], v[:, :, 2:])]
+    for me in (0, 1):
+        other_k, other_v = shards[1 - me]
+        # What the other rank hands the all-reduce, in call order.
+        sent: list[torch.Tensor] = []
+        cachetune_ranking(other_k, other_v, 0.3, reduce=lambda t, out=sent: out.append(t) or t)
+        mine = cachetune_ranking(*shards[me], 0.3, reduce=lambda t, got=sent: t + got.pop(0))
+        torch.testing.assert_close(mine, whole, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(cachetune_ranking(*shards[0], 0.3), whole, atol=1e-3)
+
+
 def test_shapes_and_dtype() -> None:
     k = torch.randn(3, 17, 2, 4, dtype=torch.float16)
     v = torch.randn(3, 17, 2, 6, dtype=torch.float16)  # head dims may differ
