@@ -68,11 +68,29 @@ def namespace(config: PicConfig, user_key: str | None, calibrated_r: bool = Fals
     return f"{INTERNAL_PREFIX}:{key}|{user_key or ''}"
 
 
-def first_out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> tuple[int, int] | None:
-    """(index, id) of the first id outside [0, vocab_size), or None."""
+def first_out_of_vocab(
+    token_ids: Sequence[int], vocab_size: int, allowed: frozenset[int] = frozenset()
+) -> tuple[int, int] | None:
+    """(index, id) of the first id outside [0, vocab_size) and not in ``allowed``, or
+    None."""
     if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
         return None
-    return next((i, int(t)) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+    return next(
+        ((i, int(t)) for i, t in enumerate(token_ids) if not (0 <= t < vocab_size or t in allowed)),
+        None,
+    )
+
+
+def multimodal_pad_ids(req: Any) -> frozenset[int]:
+    """The placeholder ids SGLang put in ``req``'s input ids for its images, audio or
+    video (each item's pad values, at least 1,000,000: outside any vocabulary by design,
+    replaced by the item's embeddings in the forward)."""
+    items = getattr(getattr(req, "multimodal_inputs", None), "mm_items", None) or ()
+    out: set[int] = set()
+    for item in items:
+        values = getattr(item, "pad_values", None) or (getattr(item, "pad_value", None),)
+        out.update(int(v) for v in values if v is not None)
+    return frozenset(out)
 
 
 class AdmissionGate:
@@ -108,7 +126,7 @@ class AdmissionGate:
 
     def _admit(self, req: Any) -> str | None:
         ids = req.origin_input_ids
-        bad = first_out_of_vocab(ids, self.vocab_size)
+        bad = first_out_of_vocab(ids, self.vocab_size, multimodal_pad_ids(req))
         if bad is not None:
             self.metrics.requests_refused.labels(reason="token_id").inc()
             return (

@@ -145,6 +145,23 @@ def test_ids_outside_the_vocabulary_are_refused_by_index(
     assert error is not None and f"input_ids[{index}] = {value}" in error
 
 
+def test_an_image_requests_placeholder_ids_are_not_refused(metrics: PicMetrics) -> None:
+    # SGLang puts each image item's pad values (>= 1,000,000) in the input ids before
+    # this check; only those are let past the vocabulary, and its marks (signed over
+    # other ids) are not honoured.
+    pad = 623242430658192240
+    r = req([1, 2, 3, pad, pad, 4], signed(IDS, [[0, 5]]))
+    r.multimodal_inputs = SimpleNamespace(mm_items=[SimpleNamespace(pad_values=(pad,))])
+    assert gate(metrics).admit(r) is None
+    assert_plain(r)
+    r = req([1, pad + 1, 4])
+    r.multimodal_inputs = SimpleNamespace(mm_items=[SimpleNamespace(pad_values=(pad,))])
+    error = gate(metrics).admit(r)
+    assert error is not None and f"input_ids[1] = {pad + 1}" in error
+    error = gate(metrics).admit(req([1, pad, 4]))  # no image: refused as before
+    assert error is not None and f"input_ids[1] = {pad}" in error
+
+
 def test_plain_requests_pass_untouched(metrics: PicMetrics) -> None:
     r = req(IDS, {"mine": 1}, "user")
     assert gate(metrics).admit(r) is None
