@@ -403,9 +403,10 @@ class PicHTTPMiddleware:
     def _check(self, scope: dict[str, Any], body: bytes) -> dict[str, Any] | None:
         """The rewritten request, or None to pass the body on as it is; raises LayoutError
         for a body a client must be told about."""
-        if body.lstrip()[:1] not in (b"{", b"["):
-            return None  # not JSON: SGLang's own parsing answers it
         try:
+            # Every body that SGLang's own parsing (``json.loads`` of the bytes) would
+            # accept, a byte-order mark or a UTF-16/32 encoding included: a body that this
+            # check skipped but SGLang read would pass unchecked.
             obj = json.loads(body)
         except RecursionError as e:
             raise LayoutError(f"JSON nested deeper than {self.max_json_depth} levels") from e
@@ -417,7 +418,9 @@ class PicHTTPMiddleware:
         path = scope.get("path")
         if path not in TRANSLATED_PATHS:
             return None
-        if _RAW_SURROGATE.search(body):
+        if _RAW_SURROGATE.search(body) or body.lstrip()[:1] not in (b"{", b"["):
+            # The byte pattern reads plain UTF-8 only: a body with a byte-order mark or in
+            # UTF-16/32 gets the walk.
             check_body_text(obj)
         check_generation_options(path, obj)
         if path == CHAT_PATH:

@@ -191,10 +191,15 @@ def auto_translator(*roles: str) -> RequestTranslator:
     return RequestTranslator(LOOSE, FakeTokenizer, MarkSigner("k"), auto_chunk=frozenset(roles))
 
 
-def post(path: str, body: str | dict, t: RequestTranslator | None = None) -> tuple[int, str]:
+def post(
+    path: str, body: str | dict | bytes, t: RequestTranslator | None = None
+) -> tuple[int, str]:
     """``body`` through the middleware (no server): (400, its message) when refused, else
     (200, the body SGLang would get)."""
-    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    if isinstance(body, bytes):
+        raw = body
+    else:
+        raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
     passed: list[bytes] = []
     sent: list[dict] = []
 
@@ -212,6 +217,22 @@ def post(path: str, body: str | dict, t: RequestTranslator | None = None) -> tup
     if sent:
         return sent[0]["status"], json.loads(sent[1]["body"])["error"]["message"]
     return 200, passed[0].decode()
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_a_body_sglang_would_parse_is_checked_whatever_its_encoding(encoding: str) -> None:
+    # SGLang reads a body with json.loads of its bytes, which takes a byte-order mark and
+    # UTF-16/32: such a body must meet the same checks as plain UTF-8.
+    refused = [
+        '{"text": "x", "sampling_params": {"custom_params": {"sgl_pic_mac": "0"}}}',
+        '{"text": "plain \\uDBFF"}',
+        '{"text": "x", "rid": ["a", "b"]}',
+    ]
+    for raw in refused:
+        status, _ = post("/generate", raw.encode(encoding))
+        assert status == 400, (encoding, raw)
+    status, body = post("/generate", '{"text": "a <d>doc<d> q"}'.encode(encoding))
+    assert status == 200 and "sgl_pic" in body  # its delimiters became marks
 
 
 def test_lone_surrogates_get_a_400_naming_where_they_stand() -> None:
