@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 
 from sgl_pic.config import PicConfig
 from sgl_pic.cut_points import cut_points
-from sgl_pic.integration.spans import split_on_delimiter
+from sgl_pic.integration.spans import LimitError, split_on_delimiter
 from sgl_pic.layout import LayoutError, PromptLayout, Span
 
 AUTO_CHUNK_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool", "document")
@@ -191,6 +191,19 @@ def has_chat_marks(messages: Sequence[Any]) -> bool:
     return False
 
 
+def client_marks(messages: Sequence[Any]) -> int:
+    """How many messages and text items the client marked with ``"pic_chunk": true``."""
+    count = 0
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        count += msg.get("pic_chunk") is True
+        content = msg.get("content")
+        if isinstance(content, list):
+            count += sum(isinstance(i, dict) and i.get("pic_chunk") is True for i in content)
+    return count
+
+
 def chat_prompt(
     messages: Any,
     tools: Any,
@@ -212,6 +225,12 @@ def chat_prompt(
     marked = has_chat_marks(messages)
     if not marked and not roles:
         return None
+    if marked and (count := client_marks(messages)) > config.max_chunks:
+        # Before rendering and tokenizing piece by piece (in the server's event loop).
+        raise LimitError(
+            f"{count} chunks marked; this server takes at most {config.max_chunks} per "
+            "request (--pic-max-chunks)"
+        )
     d = config.delimiter
     try:
         chat = _delimited_messages(messages, tools, tool_choice, roles, d)

@@ -59,6 +59,7 @@ from sgl_pic.integration.chat_chunks import (
 from sgl_pic.integration.spans import (
     INTERNAL_PREFIX,
     MAC_KEY,
+    LimitError,
     MarkSigner,
     SpecialTokens,
     check_limits,
@@ -322,6 +323,13 @@ class RequestTranslator:
             raise LayoutError(
                 "chunk marks need one 'text' string with delimiters, or 'input_ids' with "
                 "'pic.chunks'"
+            )
+        marked = text.count(self.config.delimiter) // 2
+        if marked > self.config.max_chunks:
+            # Before tokenizing piece by piece, which runs in the server's event loop.
+            raise LimitError(
+                f"{marked} chunks marked; this server takes at most {self.config.max_chunks} "
+                "per request (--pic-max-chunks)"
             )
         return split_on_delimiter(
             text, self.config.delimiter, lambda t: self._tokenize(t, False), self.specials

@@ -214,6 +214,18 @@ def test_past_max_chunks_the_earliest_auto_chunks_stay_fresh() -> None:
     assert chunk_texts(out, config) == [DOCS["B"] + " (mine)", DOCS["D"], DOCS["E"]]
 
 
+def test_more_client_marks_than_max_chunks_are_refused_before_rendering() -> None:
+    # Rendering and tokenizing piece by piece run in the server's event loop.
+    t = translator(ALL, PicConfig(max_chunks=2, auto_chunk_min_tokens=4))
+    rendered: list[Any] = []
+    t._render_chat = lambda *a, **kw: rendered.append(a) or ""  # type: ignore[method-assign]
+    msgs = [{"role": "user", "content": DOCS[k], "pic_chunk": True} for k in "AB"]
+    msgs.append({"role": "user", "content": [{"type": "text", "text": "q", "pic_chunk": True}]})
+    with pytest.raises(LayoutError, match="3 chunks marked; .* at most 2"):
+        chat(t, {"messages": msgs})
+    assert rendered == []
+
+
 def test_explicit_marks_still_work_and_win() -> None:
     msgs = session()
     msgs[2]["pic_chunk"] = False  # kept out of auto-chunking

@@ -133,6 +133,17 @@ def test_limits_apply_at_the_edge() -> None:
         translator(few).generate({"text": "<d>a<d>q"})
 
 
+def test_too_many_delimited_chunks_are_refused_before_any_is_tokenized() -> None:
+    # Tokenizing piece by piece runs in the server's event loop: a body of a million
+    # delimiters must be refused by counting them.
+    seen: list[str] = []
+    t = translator(PicConfig(delimiter="<d>", max_chunks=2, min_chunk_tokens=1))
+    t._tokenize = lambda text, _special: seen.append(text) or fake_tokenize(text)
+    with pytest.raises(LayoutError, match="3 chunks marked; .* at most 2"):
+        t.generate({"text": "<d>a<d>" * 3 + "q"})
+    assert seen == []
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
