@@ -116,6 +116,10 @@ class _Unrenderable(LayoutError):
 
 # A message's content as rendered: fresh text, and pieces wrapped in delimiters.
 _Segments = list[str | Piece]
+# What SGLang puts between the text items of a message's content list for a template that
+# takes content as a string (``process_content_for_template_format``), the embedded
+# model's among them.
+ITEM_SEPARATOR = " "
 
 
 def parse_roles(value: str) -> frozenset[str]:
@@ -367,11 +371,19 @@ def _content(i: int, msg: dict[str, Any], auto: bool, chosen: bool, d: str) -> _
                     raise LayoutError(
                         f"message {i} item {j}: 'pic_chunk' must be true or false, got {m!r}"
                     )
-            return [
-                Piece(t, PieceKind.MARKED) if m else Piece(t, PieceKind.OWN) if auto and t else t
-                for t, m in zip(texts, item_marks, strict=True)
-            ]
-        text = "".join(texts)
+            segs: _Segments = []
+            for j, (t, m) in enumerate(zip(texts, item_marks, strict=True)):
+                if j:
+                    segs.append(ITEM_SEPARATOR)
+                segs.append(
+                    Piece(t, PieceKind.MARKED)
+                    if m
+                    else Piece(t, PieceKind.OWN)
+                    if auto and t
+                    else t
+                )
+            return segs
+        text = ITEM_SEPARATOR.join(texts)
     elif content is None:
         text = ""  # as SGLang renders a message without content (an assistant's tool call)
     elif isinstance(content, str):
@@ -389,14 +401,15 @@ def _content(i: int, msg: dict[str, Any], auto: bool, chosen: bool, d: str) -> _
 
 def _template_message(role: str, msg: dict[str, Any]) -> dict[str, Any]:
     """What the chat template sees of a message besides its content, as SGLang passes it:
-    tool calls with JSON arguments decoded, the tool call id, and the name (SGLang's user
-    messages carry none)."""
+    tool calls with JSON arguments decoded, the tool call id, the name (SGLang's user
+    messages carry none) and an assistant's reasoning (templates of reasoning models
+    render it), each only when not null."""
     out: dict[str, Any] = {"role": role}
     calls = msg.get("tool_calls")
     if calls is not None:
         out["tool_calls"] = [_decoded_call(c) for c in calls] if isinstance(calls, list) else calls
-    for key in ("tool_call_id", "name"):
-        if key in msg and not (key == "name" and role == "user"):
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        if msg.get(key) is not None and not (key == "name" and role == "user"):
             out[key] = msg[key]
     return out
 

@@ -700,6 +700,37 @@ def test_a_final_assistant_message_gives_the_prompt_sglang_renders() -> None:
     assert chat(translator(ALL), {"messages": plain, "continue_final_message": True}) is None
 
 
+@pytest.mark.parametrize("auto", [frozenset(), ALL])
+def test_text_items_and_reasoning_render_as_sglang_renders_them(auto: frozenset[str]) -> None:
+    # SGLang hands a string-content template (the embedded model's) a message's text items
+    # joined by a space, and every field of the message that is not null.
+    from sglang.srt.parser.jinja_template_utils import (
+        detect_jinja_template_content_format,
+        process_content_for_template_format,
+    )
+
+    assert detect_jinja_template_content_format(tokenizer().chat_template) == "string"
+    items = [{"type": "text", "text": DOCS["B"]}, {"type": "text", "text": "forty-two."}]
+    msgs = [
+        {"role": "tool", "content": DOCS["A"]},
+        {"role": "user", "content": [{**items[0], "pic_chunk": True}, items[1]]},
+        {"role": "assistant", "content": A1, "reasoning_content": "Think first."},
+        {"role": "user", "content": items},
+    ]
+    out = chat(translator(auto), {"messages": msgs})
+    assert out is not None
+    plain = [
+        {k: v for k, v in m.items() if k != "pic_chunk"} | {"content": items}
+        if isinstance(m["content"], list)
+        else m
+        for m in msgs
+    ]
+    sglang = [process_content_for_template_format(m, "string", [], [], [], []) for m in plain]
+    text = tokenizer().apply_chat_template(sglang, tokenize=False, add_generation_prompt=True)
+    assert tokenizer().decode(out["input_ids"]) == text
+    assert chunk_texts(out)[0 if not auto else 1] == DOCS["B"]
+
+
 def test_lone_surrogates_are_refused_before_the_tokenizer_sees_them() -> None:
     for body in (
         {
