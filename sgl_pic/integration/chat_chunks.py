@@ -216,14 +216,17 @@ def chat_prompt(
     config: PicConfig,
     render: Callable[[list[dict[str, Any]]], str],
     tokenize: Callable[[str], list[int]],
+    string_content: bool = True,
 ) -> ChatPrompt | None:
     """The chunked prompt of a chat request, or None when it gets no chunks (nothing marked
     and auto-chunking off, or auto-chunking found nothing to mark or cannot render it:
     SGLang then serves it as it is).
 
     ``render(messages)`` is the chat template (text, with the generation prompt);
-    ``tokenize(text)`` tokenizes without special tokens. Raises LayoutError for anything
-    malformed, and for marked requests the template cannot carry (see the module doc)."""
+    ``tokenize(text)`` tokenizes without special tokens; ``string_content``: whether the
+    template takes content as a string (content lists are rendered only for such). Raises
+    LayoutError for anything malformed, and for marked requests the template cannot carry
+    (see the module doc)."""
     if not isinstance(messages, list):
         return None
     marked = has_chat_marks(messages)
@@ -237,7 +240,7 @@ def chat_prompt(
         )
     d = config.delimiter
     try:
-        chat = _delimited_messages(messages, tools, tool_choice, roles, d)
+        chat = _delimited_messages(messages, tools, tool_choice, roles, d, string_content)
         prompt = _template(render, chat, d)
     except _Unrenderable:
         if marked:
@@ -260,7 +263,12 @@ class _DelimitedChat(NamedTuple):
 
 
 def _delimited_messages(
-    messages: list[Any], tools: Any, tool_choice: Any, roles: frozenset[str], d: str
+    messages: list[Any],
+    tools: Any,
+    tool_choice: Any,
+    roles: frozenset[str],
+    d: str,
+    string_content: bool = True,
 ) -> _DelimitedChat:
     auto = bool(roles)
     last_user = max(
@@ -276,6 +284,11 @@ def _delimited_messages(
         if msg.get("tools"):
             raise _Unrenderable(
                 f"message {i} carries tools, which only SGLang's templating renders"
+            )
+        if isinstance(msg.get("content"), list) and not string_content:
+            raise _Unrenderable(
+                f"message {i}: this model's chat template reads content lists itself, which "
+                "only SGLang's templating renders (send the content as a string)"
             )
         chosen = _auto_chosen(role, msg.get("name"), i < last_user, roles)
         contents.append(_content(i, msg, auto, chosen, d))

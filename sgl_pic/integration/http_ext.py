@@ -117,12 +117,30 @@ class RequestTranslator:
         self._load_tokenizer = load_tokenizer
         self._tokenizer: Any = None
         self._specials: SpecialTokens | None = None
+        self._string_content: bool | None = None
 
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             self._tokenizer = self._load_tokenizer()
         return self._tokenizer
+
+    @property
+    def string_content(self) -> bool:
+        """Whether the chat template takes a message's content as a string (SGLang then
+        joins a content list's text items), not as the list itself (SGLang's "openai"
+        content format, which this translation does not render)."""
+        if self._string_content is None:
+            template = getattr(self.tokenizer, "chat_template", None)
+            if not isinstance(template, str):
+                self._string_content = True  # no template of its own to read lists
+            else:
+                from sglang.srt.parser.jinja_template_utils import (
+                    detect_jinja_template_content_format,
+                )
+
+                self._string_content = detect_jinja_template_content_format(template) == "string"
+        return self._string_content
 
     def pad_id(self) -> int:
         """The token that pads chunk starts to a page boundary: the tokenizer's pad token,
@@ -222,6 +240,7 @@ class RequestTranslator:
             self.config,
             self._render_chat,
             lambda t: self._tokenize(t, False),
+            self.string_content,
         )
         if isinstance(messages, list) and (prompt is not None or "pic" in obj):
             obj["messages"] = [_strip_marks(m) for m in messages]

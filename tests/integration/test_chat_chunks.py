@@ -731,6 +731,33 @@ def test_text_items_and_reasoning_render_as_sglang_renders_them(auto: frozenset[
     assert chunk_texts(out)[0 if not auto else 1] == DOCS["B"]
 
 
+def test_content_lists_are_left_to_sglang_when_the_template_reads_them_itself() -> None:
+    # SGLang hands such a template the list, not the joined string this translation renders.
+    class ListTemplate:
+        chat_template = (
+            "{% for m in messages %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}"
+            "{% endfor %}"
+        )
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer(), name)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return tokenizer()(*args, **kwargs)
+
+    t = RequestTranslator(SHORT, ListTemplate, MarkSigner("k"), auto_chunk=ALL)
+    assert not t.string_content
+    items = [{"type": "text", "text": DOCS["B"]}, {"type": "text", "text": U1}]
+    plain = [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": items}]
+    assert chat(t, {"messages": plain}) is None  # auto-chunking steps aside
+    marked = [{"role": "user", "content": [{**items[0], "pic_chunk": True}, items[1]]}]
+    with pytest.raises(LayoutError, match="reads content lists itself"):
+        chat(t, {"messages": marked})
+    # String content is still chunked.
+    out = chat(t, {"messages": [plain[0], {"role": "user", "content": U1}]})
+    assert out is not None and chunk_texts(out) == [DOCS["A"]]
+
+
 def test_lone_surrogates_are_refused_before_the_tokenizer_sees_them() -> None:
     for body in (
         {
