@@ -185,7 +185,7 @@ def test_chat_marks_become_chunks_of_the_templated_prompt() -> None:
     out = translator().chat(req)
     assert out is not None
     text = "".join(chr(t) for t in out["input_ids"])
-    assert text == "[system]S[user]doc one[user]doc twoQ?[assistant]"
+    assert text == "[system]S[user]doc one[user]doc two Q?[assistant]"  # items: " ".join
     pic = decode(out["custom_params"], LOOSE)
     assert [text[s.start : s.end] for s in pic.layout.chunks] == ["doc one", "doc two"]
     assert pic.overrides == {"policy": "full_reuse"}
