@@ -280,14 +280,42 @@ class SharedStore(ChunkStore):
         kv = torch.from_numpy(out).view(dtype)
         return kv[0].reshape(shape), kv[1].reshape(shape), int(data.size)
 
+    def _read_checked(
+        self,
+        key: str,
+        token_ids: Sequence[int] | None,
+        read: Callable[[RecordHeader], tuple[torch.Tensor, torch.Tensor, int] | None],
+    ) -> tuple[RecordHeader | None, tuple[torch.Tensor, torch.Tensor, int] | None]:
+        """(header, ``read(header)``), or (None, None) on a miss. A payload that fails its
+        checks against a cached header is read again once with a fresh header before it
+        counts as bad: the store may have evicted the object and another server stored the
+        key anew (recomputed KV need not be the same bytes). Raises what ``read`` raises."""
+        for attempt in range(2):
+            with self._lock:
+                cached = key in self._headers
+            header = self._header(key, token_ids)
+            if header is None:
+                return None, None
+            try:
+                return header, read(header)
+            except (CorruptRecordError, TruncatedRecordError, BackendError):
+                if attempt or not cached:
+                    raise
+                self._forget(key)
+        raise AssertionError("unreachable")
+
     def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
         try:
-            header = self._header(key, token_ids)
+            header, res = self._read_checked(
+                key,
+                token_ids,
+                lambda h: self._read(
+                    key, h, range(h.num_layers), np.arange(h.num_tokens, dtype=np.int64)
+                ),
+            )
             if header is None:
                 self._count("misses")
                 return None
-            idx = np.arange(header.num_tokens, dtype=np.int64)
-            res = self._read(key, header, range(header.num_layers), idx)
         except (BackendUnavailable, BackendError) as exc:
             if isinstance(exc, BackendError):
                 self._bad(key, exc)
@@ -325,15 +353,17 @@ class SharedStore(ChunkStore):
         token_indices: torch.Tensor | Sequence[int] | None = None,  # [n] int
         token_ids: Sequence[int] | None = None,
     ) -> LayerKV | None:
+        def read(h: RecordHeader) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+            held = range(h.layer_start, h.layer_start + h.num_layers)
+            offsets = layer_offsets(held, layers)  # RecordShapeError: the caller's mistake
+            idx = normalize_indices(token_indices, h.num_tokens)
+            return self._read(key, h, offsets, idx.numpy())
+
         try:
-            header = self._header(key, token_ids)
+            header, res = self._read_checked(key, token_ids, read)
             if header is None:
                 self._count("misses")
                 return None
-            held = range(header.layer_start, header.layer_start + header.num_layers)
-            offsets = layer_offsets(held, layers)  # RecordShapeError: the caller's mistake
-            idx = normalize_indices(token_indices, header.num_tokens)
-            res = self._read(key, header, offsets, idx.numpy())
         except (BackendUnavailable, BackendError) as exc:
             if isinstance(exc, BackendError):
                 self._bad(key, exc)
@@ -350,6 +380,7 @@ class SharedStore(ChunkStore):
         k, v, nbytes = res
         self._count("hits")
         self._count("bytes_read", nbytes)
+        idx = normalize_indices(token_indices, header.num_tokens)
         moved = 2 * len(layers) * idx.numel() * header.row_bytes  # as the other tiers count
         return LayerKV(key, layers, idx, k, v, bytes_read=moved)
 
