@@ -230,8 +230,14 @@ class PhaseRunner:
     @property
     def max_subrequests(self) -> int | None:
         """Sub-requests one phase batch may hold: backends size their per-request plan
-        buffers by SGLang's request table (None: no table, no limit)."""
-        return None if self.req_pool is None else int(self.req_pool.size)
+        buffers by SGLang's request table (None: no limit). Past it the executor merges
+        runs, so a request's recomputed set would depend on its batch; torch_native plans
+        nothing per request (phase batches take ``torch_native_phase_extend``), so it
+        never merges."""
+        planner = getattr(self.backend, "prefill_backend", None) or self.backend
+        if self.req_pool is None or type(planner).__name__ == "TorchNativeAttnBackend":
+            return None
+        return int(self.req_pool.size)
 
     def run(
         self,

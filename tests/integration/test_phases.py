@@ -158,6 +158,23 @@ def test_flashinfer_as_the_prefill_half_of_a_hybrid_backend_plans_paged_too() ->
     assert seen == [True] and prefill.use_paged is False
 
 
+def test_torch_native_puts_no_cap_on_sub_requests() -> None:
+    # Past the cap the executor merges runs, and a request's recomputed set would depend
+    # on the batch it shares; torch_native has no per-request plan buffers to bound.
+    env = Env()
+    TorchNativeAttnBackend = type("TorchNativeAttnBackend", (), {})  # noqa: N806
+    assert (
+        PhaseRunner(
+            TorchNativeAttnBackend(), env.req_pool.req_to_token, None, env.req_pool
+        ).max_subrequests
+        is None
+    )
+    hybrid = SimpleNamespace(prefill_backend=TorchNativeAttnBackend())
+    assert (
+        PhaseRunner(hybrid, env.req_pool.req_to_token, None, env.req_pool).max_subrequests is None
+    )
+
+
 def test_the_backend_plans_the_phase_batch() -> None:
     env = Env()
     planned: list[Any] = []
