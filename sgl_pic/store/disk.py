@@ -167,7 +167,8 @@ class DiskStore(BoundedStore):
         found: list[tuple[float, str, int]] = []
         now = time.time()
         for sub in sorted(self.root.iterdir()):
-            if not sub.is_dir() or len(sub.name) != 2:
+            # Never through a link: a bad file found there would be deleted in its target.
+            if sub.is_symlink() or not sub.is_dir() or len(sub.name) != 2:
                 continue
             try:
                 entries = sorted(sub.iterdir())

@@ -270,3 +270,19 @@ def test_peek_at_a_vanished_file_forgets_the_key(tmp_path, record):
     assert store.peek_header(record.key) is None
     assert errors(store, "vanished") == 1 and not store.contains(record.key)
     assert store.put(record) and store.peek_header(record.key) is not None
+
+
+def test_startup_never_indexes_or_deletes_through_a_linked_subdirectory(tmp_path):
+    # A bad file found at start-up is deleted: through a link that would be in its target.
+    root, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    rec = make_record(seed=3)
+    store = disk(root)
+    assert store.put(rec)
+    sub = store.path_of(rec.key).parent
+    elsewhere.mkdir()
+    victim = elsewhere / store.path_of(rec.key).name
+    victim.write_bytes(b"not a record")
+    shutil.rmtree(sub)
+    sub.symlink_to(elsewhere, target_is_directory=True)
+    again = disk(root)
+    assert again.stats().entries == 0 and victim.read_bytes() == b"not a record"
