@@ -70,6 +70,11 @@ def check_support(ctx: Any) -> Support:
         return Support("parallelism", "two-batch overlap")
     if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
         return Support("parallelism", "context parallelism")
+    tiers = sglang_kv_tiers(args)
+    if tiers:
+        return Support("kv_tiers", f"SGLang's own KV tiers or connectors ({', '.join(tiers)})")
+    if str(getattr(args, "disaggregation_mode", "null") or "null") != "null":
+        return Support("disaggregation", "prefill-decode disaggregation")
     pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     if type(pool).__name__ != "MHATokenToKVPool":
         return Support("kv_pool", f"KV pool {type(pool).__name__} (needs MHATokenToKVPool)")
@@ -94,6 +99,27 @@ def check_support(ctx: Any) -> Support:
     except UnsupportedRope as e:
         return Support("rope", str(e))
     return Support("", "")
+
+
+def sglang_kv_tiers(args: Any) -> list[str]:
+    """The SGLang flags that put its own KV tiers or connectors under the radix tree.
+    Chunk reuse is not combined with them: they have not run together (SGLang's
+    HiCache does not run on the CPU at all), HiCache would write approximate KV to its
+    host and storage tiers, and LMCache or FlexKV would be dropped without a word, since
+    the sgl_pic tree takes the radix-cache factory they are built by."""
+    on = [
+        flag
+        for flag in (
+            "enable_hierarchical_cache",
+            "enable_lmcache",
+            "enable_flexkv",
+            "enable_unified_cache_external_linker",
+        )
+        if getattr(args, flag, False)
+    ]
+    if getattr(args, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        on.append("disaggregation_decode_retraction_backup=host_pool")
+    return ["--" + f.replace("_", "-") for f in on]
 
 
 StackForward = Callable[..., Any]

@@ -83,23 +83,6 @@ def build_tree_cache(ctx: Any) -> Any:
     support = check_support(ctx)
     if support.ok and settings.refused:
         support = Support("model_check", settings.refused)
-    cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    # Every chunk is stored with a ranking made at the server's alpha (a setting no
-    # request can override), so the alpha is part of every key.
-    fingerprint = dataclasses.replace(
-        server_fingerprint(ctx, cache_pool.dtype),
-        ranking=ranking_recipe(settings.config.cachetune_alpha),
-    )
-    pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
-    capacity = int(settings.device_cache_fraction * pool_tokens) if support.ok else 0
-
-    def make_table(allocator: Any) -> ChunkNodeTable:
-        return ChunkNodeTable(
-            allocator, fingerprint, settings.config.segment_tokens, capacity, settings.eviction
-        )
-
-    cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set)
-    assert cache.chunk_nodes is not None
     if not support.ok:
         logger.error(
             "sgl_pic: chunk reuse is off: %s is not covered; every request runs as exact "
@@ -108,7 +91,28 @@ def build_tree_cache(ctx: Any) -> Any:
         )
         metrics.unsupported.labels(reason=support.reason).set(1)
         _gate = AdmissionGate(settings.config, None, vocab_size, metrics)
-        return cache
+        # SGLang's own tree, built as it would build it: its tiers, connectors and
+        # model-specific caches then work as without sgl_pic.
+        from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+        return default_radix_cache_factory(ctx)
+    cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    # Every chunk is stored with a ranking made at the server's alpha (a setting no
+    # request can override), so the alpha is part of every key.
+    fingerprint = dataclasses.replace(
+        server_fingerprint(ctx, cache_pool.dtype),
+        ranking=ranking_recipe(settings.config.cachetune_alpha),
+    )
+    pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
+    capacity = int(settings.device_cache_fraction * pool_tokens)
+
+    def make_table(allocator: Any) -> ChunkNodeTable:
+        return ChunkNodeTable(
+            allocator, fingerprint, settings.config.segment_tokens, capacity, settings.eviction
+        )
+
+    cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set)
+    assert cache.chunk_nodes is not None
     runner = ctx.tp_worker.model_runner
     hf = ctx.model_config.hf_config
     num_layers = int(hf.num_hidden_layers)

@@ -109,11 +109,28 @@ def test_covered_backends_pass(backend: str) -> None:
         (ctx(model=Model(cross=True)), "cross_attention"),
         (ctx(model=torch.nn.Linear(2, 2)), "model"),
         (ctx(enable_lora=True), "lora"),
+        (ctx(enable_hierarchical_cache=True), "kv_tiers"),
+        (ctx(enable_lmcache=True), "kv_tiers"),
+        (ctx(enable_flexkv=True), "kv_tiers"),
+        (ctx(enable_unified_cache_external_linker=True), "kv_tiers"),
+        (ctx(disaggregation_decode_retraction_backup="host_pool"), "kv_tiers"),
+        (ctx(disaggregation_mode="prefill"), "disaggregation"),
+        (ctx(disaggregation_mode="decode"), "disaggregation"),
     ],
 )
 def test_uncovered_servers_are_refused_with_a_reason(c: Any, reason: str) -> None:
     support = check_support(c)
     assert not support.ok and support.reason == reason and support.detail
+
+
+def test_sglang_defaults_for_tiers_and_disaggregation_pass() -> None:
+    plain = ctx(
+        enable_hierarchical_cache=False,
+        enable_lmcache=False,
+        disaggregation_decode_retraction_backup=None,
+        disaggregation_mode="null",
+    )
+    assert check_support(plain).ok
 
 
 def test_hybrid_mla_and_other_pools_are_refused() -> None:

@@ -149,3 +149,24 @@ def test_lower_tiers_rotate_keys_by_the_models_own_pairing(layout: str) -> None:
         torch.testing.assert_close(full[:, 0], post, atol=1e-5, rtol=1e-5)
     finally:
         lower.store.close()
+
+
+def test_a_refused_server_gets_sglangs_own_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With HiCache on (a combination chunk reuse refuses), the tree is the one SGLang's
+    default factory builds, HiCache and all, not the sgl_pic tree; marks are ignored."""
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()  # the sgl_kernel / torchvision stand-ins SGLang's tree imports
+    from sglang.srt.mem_cache import registry
+
+    from tests.integration.test_model_hooks import ctx
+
+    built: list[Any] = []
+    monkeypatch.setattr(registry, "default_radix_cache_factory", lambda c: built.append(c) or c)
+    monkeypatch.setattr(plugin, "_gate", None)
+    monkeypatch.setattr(plugin, "_executor", None)
+    c = ctx("torch_native", enable_hierarchical_cache=True)
+    c.model_config.vocab_size = 100
+    assert plugin.build_tree_cache(c) is c and built == [c]
+    assert plugin._executor is None and plugin._gate is not None
+    assert plugin._gate.signer is None
