@@ -211,6 +211,14 @@ class ChunkNodeTable:
             new.append(node)
         return tuple(new), tuple(missing)
 
+    def discard(self, nodes: Sequence[ChunkNode]) -> None:
+        """Takes back nodes ``insert`` just returned, before anything read them (their
+        KV could not be written): their slots go back to the allocator, and the chunk is
+        held no more than before."""
+        for n in reversed(nodes):  # a new node's children are later new nodes
+            if self._nodes.get(n.key) is n:
+                self._remove(n)
+
     def _padded(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 

@@ -379,8 +379,14 @@ class ChunkExecutor:
         if inserted is None:
             self.metrics.node_insert_failures.inc()
         elif inserted:
-            for node, key in zip(*inserted, strict=True):
-                self.kv.write_rotated(node.kv_slots, kv[:, :, key.start : key.end], 0)
+            try:
+                for node, key in zip(*inserted, strict=True):
+                    self.kv.write_rotated(node.kv_slots, kv[:, :, key.start : key.end], 0)
+            except BaseException:
+                # Linked but never written: a later device hit would copy whatever the
+                # slots held before.
+                self.nodes.discard(inserted[0])
+                raise
 
     def _store_locked(
         self, chunk_ids: tuple[int, ...], kv: torch.Tensor, ranking: torch.Tensor | None

@@ -19,7 +19,7 @@ import torch
 
 from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
 from sgl_pic.rope import RopeLayout, rotate_layers
-from sgl_pic.store.base import ChunkKV
+from sgl_pic.store.base import ChunkKV, RecordLayout
 from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
 from sgl_pic.store.shared import SharedStore
 from sgl_pic.store.tiered import ShutdownReport, Tier, TieredStore
@@ -228,7 +228,9 @@ class LowerTiers:
         return torch.stack([k_post, torch.cat(vs, dim=1).to(k_post.dtype)], dim=1)
 
 
-def open_shared_tier(url: str, model_digest: str) -> SharedStore:
+def open_shared_tier(
+    url: str, model_digest: str, layout: RecordLayout | None = None
+) -> SharedStore:
     """The shared tier at ``url`` for records of ``model_digest`` (the pre-RoPE
     fingerprint's digest). Never waits for the store: it is joined in the background, and
     until then (and whenever it is down) lookups miss and writes are skipped, counted,
@@ -236,4 +238,4 @@ def open_shared_tier(url: str, model_digest: str) -> SharedStore:
     from sgl_pic.store.shared import SharedStoreConfig
 
     logger.info("sgl_pic: shared chunk tier at %s", url)
-    return SharedStore(SharedStoreConfig(url), model_digest)
+    return SharedStore(SharedStoreConfig(url), model_digest, layout=layout)

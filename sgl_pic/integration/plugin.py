@@ -125,7 +125,7 @@ def build_tree_cache(ctx: Any) -> Any:
             "and this model's rotary table (partial rotary or attention scaling) has none"
         )
     elif settings.has_lower_tiers:
-        lower, shutdown = _lower_tiers(settings, fingerprint, spec, metrics)
+        lower, shutdown = _lower_tiers(settings, fingerprint, spec, metrics, record_layout(kv))
     ratios = None
     if settings.calibrate and lower is not None:
         from sgl_pic.integration.calibration import calibrate_tiers
@@ -190,18 +190,36 @@ def build_tree_cache(ctx: Any) -> Any:
     return cache
 
 
-def _lower_tiers(settings: Any, fingerprint: Any, spec: Any, metrics: Any) -> Any:
+def record_layout(kv: Any) -> Any:
+    """The KV layout of the pool behind ``kv`` (a ``KVAccess``), as lower-tier records
+    must hold it: what phase 1 stores (``LowerTiers.put_chunk`` of ``kv.read``) and what
+    the layer feed writes back into the pool. A record of another layout, however sound
+    its file, is never loaded into the pool: the tiers count it and drop it."""
+    from sgl_pic.store.base import DTYPE_NAMES, RecordLayout
+
+    kb = kv.pool.get_key_buffer(0)  # [slots, num_kv_heads, head_dim]
+    return RecordLayout(
+        num_layers=int(kv.num_layers),
+        num_kv_heads=int(kb.shape[1]),
+        head_dim=int(kb.shape[2]),
+        dtype=DTYPE_NAMES.get(kb.dtype, str(kb.dtype)),
+    )
+
+
+def _lower_tiers(
+    settings: Any, fingerprint: Any, spec: Any, metrics: Any, layout: Any = None
+) -> Any:
     """Host and disk tiers (``lower_tiers_of``). Their queued disk writes finish (bounded)
     or are dropped cleanly when this scheduler process exits or gets SIGTERM/SIGINT,
     counted into ``metrics`` (``lifecycle``)."""
     from sgl_pic.integration.lifecycle import install_shutdown
 
-    lower = lower_tiers_of(settings, fingerprint, spec)
+    lower = lower_tiers_of(settings, fingerprint, spec, layout)
     # build_tree_cache runs on the scheduler's main thread, where signal handlers can be set.
     return lower, install_shutdown(lower, metrics)
 
 
-def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any) -> Any:
+def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = None) -> Any:
     """Host and disk tiers keyed by the pre-RoPE fingerprint, rotating keys as the model's
     RoPE does (``spec``: its ``RopeSpec``; frequencies and pairing both, since phase 1
     stores keys un-rotated by that pairing). With the disk tier off, its place is a
@@ -233,8 +251,8 @@ def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any) -> Any:
     if getattr(settings, "shared_store", ""):
         from sgl_pic.integration.lower_tiers import open_shared_tier
 
-        shared = open_shared_tier(settings.shared_store, pre.digest())
-    store = TieredStore(config, pre.digest(), shared=shared)
+        shared = open_shared_tier(settings.shared_store, pre.digest(), layout)
+    store = TieredStore(config, pre.digest(), shared=shared, layout=layout)
     # Loads land in host memory; on a GPU the layer feed stages them through pinned memory
     # and copies them on a side stream, one event per layer (``layer_feed``).
     return LowerTiers(

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from sgl_pic.registry import STORES
-from sgl_pic.store.errors import RecordShapeError
+from sgl_pic.store.errors import LayoutMismatchError, RecordShapeError
 
 # Names used in file headers and configs; the store never guesses a dtype from bytes.
 DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
@@ -125,6 +125,46 @@ class ChunkKV:
     def nbytes(self) -> int:
         """Payload bytes (K and V, all layers); the unit of every capacity."""
         return 2 * self.num_layers * self.num_tokens * self.row_bytes
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """The KV layout every record of a store must have: the serving model's KV pool's.
+
+    The key and model digest say whose KV a record claims to be; only this says whether
+    its bytes fit the pool they are loaded into. A record that does not fit is bad (see
+    ``LayoutMismatchError``), however well-formed its file.
+
+    layer_start / num_layers: the model layers the records hold (the pool's).
+    num_kv_heads / head_dim:  one token's row in one layer of the pool.
+    dtype:                    element type name (a ``DTYPES`` key) of the pool.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layer_start: int = 0
+
+    def check(
+        self, layer_start: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str
+    ) -> None:
+        """Raises ``LayoutMismatchError`` unless the given layout is this one."""
+        got = (layer_start, num_layers, num_kv_heads, head_dim, dtype)
+        want = (self.layer_start, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        if got != want:
+            raise LayoutMismatchError(
+                "record layout (layer_start, layers, kv_heads, head_dim, dtype) = "
+                f"{got}, the KV pool's is {want}"
+            )
+
+    def check_header(self, h: Any) -> None:
+        """``check`` of a ``format.RecordHeader``."""
+        self.check(h.layer_start, h.num_layers, h.num_kv_heads, h.head_dim, h.dtype)
+
+    def check_record(self, r: ChunkKV) -> None:
+        """``check`` of a ``ChunkKV``."""
+        self.check(r.layer_start, r.num_layers, int(r.k.shape[2]), int(r.k.shape[3]), r.dtype_name)
 
 
 @dataclass(frozen=True, eq=False)

@@ -41,11 +41,19 @@ from typing import ClassVar
 
 import torch
 
-from sgl_pic.store.base import ChunkKV, EvictResult, LayerKV, check_key, register_store
+from sgl_pic.store.base import (
+    ChunkKV,
+    EvictResult,
+    LayerKV,
+    RecordLayout,
+    check_key,
+    register_store,
+)
 from sgl_pic.store.errors import (
     BadMagicError,
     CorruptRecordError,
     ForeignModelError,
+    LayoutMismatchError,
     RecordShapeError,
     StoreError,
     TokenMismatchError,
@@ -83,6 +91,9 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 # first matching class counts, so subclasses come before their bases.
 _BAD_FILE: dict[type[StoreError], tuple[str, bool]] = {
     NotRegularFileError: ("not_regular", True),
+    # Our model's fingerprint, yet not our pool's KV layout: no server of this fingerprint
+    # can use it, so it goes (its key stays free for the recomputed chunk).
+    LayoutMismatchError: ("layout_mismatch", True),
     BadMagicError: ("corrupt", True),
     CorruptRecordError: ("corrupt", True),
     TruncatedRecordError: ("truncated", True),
@@ -144,8 +155,12 @@ class DiskStore(BoundedStore):
     # just failed would only buy another failed write.
     regrow_interval_s: ClassVar[float] = 10.0
 
-    def __init__(self, config: DiskStoreConfig, model_digest: str) -> None:
-        super().__init__(model_digest, config.capacity_bytes, config.policy)
+    def __init__(
+        self, config: DiskStoreConfig, model_digest: str, layout: RecordLayout | None = None
+    ) -> None:
+        """layout: the KV layout (the serving pool's) every file must have; a file of
+        another is a bad file (error kind "layout_mismatch", deleted). None checks none."""
+        super().__init__(model_digest, config.capacity_bytes, config.policy, layout)
         self.config = config
         self.root = Path(config.root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -184,7 +199,7 @@ class DiskStore(BoundedStore):
                 if not path.name.endswith(SUFFIX):
                     continue
                 try:
-                    header = read_header(path, self.model_digest)
+                    header = self._checked(read_header(path, self.model_digest))
                     if path.name != file_name(header.key) or sub.name != path.name[:2]:
                         raise CorruptRecordError(f"{path.name} holds key {header.key[:12]}")
                     # lstat: read_header accepted a regular file, never a link's target.
@@ -201,6 +216,12 @@ class DiskStore(BoundedStore):
             self._add_locked(key, size, mtime)
         if self._used > self._capacity:
             self._delete_files(self._evict_locked(self._used - self._capacity))
+
+    def _checked(self, header: RecordHeader) -> RecordHeader:
+        """``header`` if its KV layout is the store's; else ``LayoutMismatchError``."""
+        if self.layout is not None:
+            self.layout.check_header(header)
+        return header
 
     def _remove_stale_tmp(self, path: Path, now: float) -> None:
         try:
@@ -254,7 +275,11 @@ class DiskStore(BoundedStore):
             elif isinstance(exc, StoreError):
                 self._count_bad(exc, path)
             else:
+                # An I/O error (EIO, EACCES, ...) or a file emptied under its mmap. The
+                # entry is gone, so the file goes too: left there it would hold disk
+                # space no accounting sees and no eviction frees, until a restart.
                 self._errors["unreadable"] += 1
+                self._remove_bad(path)
 
     def peek_header(self, key: str, token_ids: Sequence[int] | None = None) -> RecordHeader | None:
         """The file's checked header (model, key, tokens), without counting an access or
@@ -269,7 +294,7 @@ class DiskStore(BoundedStore):
             return None
         path = self.path_of(key)
         try:
-            return read_header(path, self.model_digest, key, token_ids)
+            return self._checked(read_header(path, self.model_digest, key, token_ids))
         except (StoreError, OSError, ValueError) as exc:
             self._fail_read(key, path, exc, miss=False)
             return None
@@ -282,6 +307,7 @@ class DiskStore(BoundedStore):
             return None
         try:
             with RecordFile(self.path_of(key), self.model_digest, key, None) as f:
+                self._checked(f.header)
                 return f.read_record()
         except (StoreError, OSError, ValueError):
             return None
@@ -292,6 +318,7 @@ class DiskStore(BoundedStore):
             return None
         try:
             with RecordFile(path, self.model_digest, key, token_ids) as f:
+                self._checked(f.header)
                 record = f.read_record()
         except (StoreError, OSError, ValueError) as exc:
             # ValueError: mmap of a file emptied underneath us.
@@ -314,6 +341,7 @@ class DiskStore(BoundedStore):
             return None
         try:
             with RecordFile(path, self.model_digest, key, token_ids) as f:
+                self._checked(f.header)
                 idx, k, v = f.read_layers(layers, token_indices)
                 row = f.header.row_bytes
         except RecordShapeError:

@@ -35,6 +35,12 @@ class UnsupportedFormatError(StoreError):
     """The file was written by a newer (or unknown) format version."""
 
 
+class LayoutMismatchError(StoreError):
+    """A well-formed record of this model's fingerprint whose KV layout (layers, KV heads,
+    head dim, dtype) is not the one the serving model's KV pool holds: planted, or written
+    by a bug. Never served; the tier counts it ("layout_mismatch") and drops it."""
+
+
 class RecordShapeError(StoreError):
     """A record's tensors, ranking or token ids disagree in shape, or a request
     names layers or tokens the record does not hold."""

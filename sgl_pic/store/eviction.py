@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from sgl_pic.store.base import ChunkKV, ChunkStore, StoreStats, check_key
+from sgl_pic.store.base import ChunkKV, ChunkStore, RecordLayout, StoreStats, check_key
+from sgl_pic.store.errors import LayoutMismatchError
 
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu", "gdsf")
 
@@ -86,8 +87,16 @@ class BoundedStore(ChunkStore):
     report evicted or forgotten.
     """
 
-    def __init__(self, model_digest: str, capacity_bytes: int, policy: str) -> None:
+    def __init__(
+        self,
+        model_digest: str,
+        capacity_bytes: int,
+        policy: str,
+        layout: RecordLayout | None = None,
+    ) -> None:
         self.model_digest = check_key(model_digest)
+        # The KV layout every record must have (the serving pool's); None checks none.
+        self.layout = layout
         self._capacity = capacity_bytes
         self._policy = policy
         self._lock = threading.Lock()
@@ -134,11 +143,19 @@ class BoundedStore(ChunkStore):
             )
 
     def _accepts_model(self, record: ChunkKV) -> bool:
-        """False (counted as a foreign, rejected put) for another model's record."""
-        if record.model_digest == self.model_digest:
-            return True
+        """False (counted as a foreign, rejected put) for another model's record, and
+        (counted as "layout_mismatch") for one whose KV layout is not ``layout``."""
+        if record.model_digest != self.model_digest:
+            kind = "foreign_model"
+        else:
+            try:
+                if self.layout is not None:
+                    self.layout.check_record(record)
+                return True
+            except LayoutMismatchError:
+                kind = "layout_mismatch"
         with self._lock:
-            self._errors["foreign_model"] += 1
+            self._errors[kind] += 1
             self._counts["rejected_puts"] += 1
         return False
 

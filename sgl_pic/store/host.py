@@ -16,6 +16,7 @@ from sgl_pic.store.base import (
     ChunkKV,
     EvictResult,
     LayerKV,
+    RecordLayout,
     layer_offsets,
     normalize_indices,
     register_store,
@@ -78,8 +79,10 @@ class HostStore(BoundedStore):
         model_digest: str,
         write_back_to: Callable[[ChunkKV], object] | None = None,
         on_evict: Callable[[ChunkKV], None] | None = None,
+        layout: RecordLayout | None = None,
     ) -> None:
-        super().__init__(model_digest, config.capacity_bytes, config.policy)
+        """layout: the KV layout every record must have; another is refused on put."""
+        super().__init__(model_digest, config.capacity_bytes, config.policy, layout)
         self.config = config
         self._on_evict = on_evict
         self._sink = write_back_to

@@ -41,6 +41,7 @@ from sgl_pic.store.base import (
     ChunkStore,
     EvictResult,
     LayerKV,
+    RecordLayout,
     StoreStats,
     check_key,
     layer_offsets,
@@ -50,6 +51,7 @@ from sgl_pic.store.base import (
 from sgl_pic.store.errors import (
     CorruptRecordError,
     ForeignModelError,
+    LayoutMismatchError,
     StoreError,
     TokenMismatchError,
     TruncatedRecordError,
@@ -121,9 +123,13 @@ class SharedStore(ChunkStore):
         config: SharedStoreConfig,
         model_digest: str,
         backend: ObjectBackend | None = None,
+        layout: RecordLayout | None = None,
     ) -> None:
+        """layout: the KV layout (the serving pool's) every object must have; one of
+        another is bad (error kind "layout_mismatch", removed). None checks none."""
         self.config = config
         self.model_digest = check_key(model_digest)
+        self.layout = layout
         self.link = StoreLink(backend or make_backend(config.url), config.link, config.url)
         self._writer = WriteBack(WriteBackConfig(config.write_queue), "sgl-pic-shared-write")
         self._pending: set[str] = set()
@@ -156,6 +162,7 @@ class SharedStore(ChunkStore):
             CorruptRecordError: "corrupt",
             TruncatedRecordError: "truncated",
             ForeignModelError: "foreign_model",
+            LayoutMismatchError: "layout_mismatch",
             TokenMismatchError: "token_mismatch",
             UnsupportedFormatError: "newer_format",
             BackendError: "truncated",
@@ -194,7 +201,9 @@ class SharedStore(ChunkStore):
                     self._headers.popitem(last=False)
         try:
             _check_expectations(header, self.model_digest, key, token_ids)
-        except StoreError as exc:  # other tokens, or an object filed under another key
+            if self.layout is not None:
+                self.layout.check_header(header)
+        except StoreError as exc:  # other tokens, another key, or another KV layout
             self._bad(key, exc)
             return None
         return header
@@ -393,6 +402,13 @@ class SharedStore(ChunkStore):
             with self._lock:
                 self._errors["foreign_model"] += 1
             return False
+        if self.layout is not None:
+            try:
+                self.layout.check_record(record)
+            except LayoutMismatchError:
+                with self._lock:
+                    self._errors["layout_mismatch"] += 1
+                return False
         if not self.link.stats().up:
             self._count("writes_skipped")
             self._remember(record.key)

@@ -27,6 +27,7 @@ from sgl_pic.store.base import (
     ChunkStore,
     EvictResult,
     LayerKV,
+    RecordLayout,
     StoreStats,
     check_key,
     register_store,
@@ -115,17 +116,23 @@ class TieredStore(ChunkStore):
         model_digest: str,
         device: DeviceTier | None = None,
         shared: SharedStore | None = None,
+        layout: RecordLayout | None = None,
     ) -> None:
-        """shared: the shared tier, built for the same ``model_digest``; owned (closed
-        and shut down) by this store from now on."""
+        """shared: the shared tier, built for the same ``model_digest`` and ``layout``;
+        owned (closed and shut down) by this store from now on.
+        layout: the KV layout of the pool the records are loaded into; every tier treats
+        a record of another as bad (counted "layout_mismatch", dropped, a miss)."""
         self.config = config
         self.model_digest = check_key(model_digest)
+        self.layout = layout
         if shared is not None and shared.model_digest != self.model_digest:
             raise ValueError("the shared tier was built for another model fingerprint")
+        if shared is not None and shared.layout != layout:
+            raise ValueError("the shared tier was built for another record layout")
         self.device = device
         self.shared = shared
-        self.disk = DiskStore(config.disk, model_digest)
-        self.host = HostStore(config.host, model_digest, write_back_to=self.disk.put)
+        self.disk = DiskStore(config.disk, model_digest, layout)
+        self.host = HostStore(config.host, model_digest, write_back_to=self.disk.put, layout=layout)
         if shared is not None:
             shared.set_backfill_source(self._local_record)
         self._promoter = WriteBack(WriteBackConfig(config.promotion_queue), "sgl-pic-promote")

@@ -417,6 +417,20 @@ def test_failed_insert_changes_nothing() -> None:
     assert table.match(b) is not None
 
 
+def test_discarded_new_nodes_give_their_slots_back_and_leave_held_ones() -> None:
+    table, alloc = make_table()
+    a = toks(0, 4)
+    table.insert(a, None)
+    free = alloc.free_slots()
+    out = table.insert(a + toks(40, 9), None)  # a held; three new segments after it
+    assert out is not None and len(out[0]) == 3
+    table.discard(out[0])
+    assert alloc.free_slots() == free and table.allocated_tokens == 4
+    assert table.match(a + toks(40, 9)) is None and table.match(a) is not None
+    assert table.evictable_tokens == 4 and table.evict(100) == 4  # a is a leaf again
+    assert_released(table, alloc)
+
+
 # --------------------------------------------------------------------- random walk
 PREFIXES = (toks(1, 4), toks(5, 4))
 MIDDLES = (toks(9, 4), toks(13, 4), toks(17, 4))
@@ -531,3 +545,25 @@ TestChunkTable = ChunkTableMachine.TestCase
 TestChunkTable.settings = _machine_settings
 TestPagedChunkTable = PagedChunkTableMachine.TestCase
 TestPagedChunkTable.settings = _machine_settings
+
+
+def test_chunk_nodes_whose_kv_could_not_be_written_are_taken_back() -> None:
+    """``ChunkExecutor._store`` links a missed chunk's nodes, then writes their KV; when
+    the write fails, the nodes go, or a later device hit would copy unwritten slots."""
+    from types import SimpleNamespace
+
+    from sgl_pic.integration.executor import ChunkExecutor
+
+    table, alloc = make_table()
+    free = alloc.free_slots()
+
+    def fail(*_args: object) -> None:
+        raise ValueError("the pool refused these rows")
+
+    ex = ChunkExecutor.__new__(ChunkExecutor)
+    ex.nodes = table
+    ex.kv = SimpleNamespace(write_rotated=fail)
+    x = toks(3, 9)
+    with pytest.raises(ValueError, match="refused"):
+        ex._store(tuple(x), torch.zeros(1, 2, len(x), 1, 1), None)
+    assert table.match(x) is None and len(table) == 0 and alloc.free_slots() == free
