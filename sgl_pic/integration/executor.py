@@ -159,7 +159,14 @@ class ChunkExecutor:
             pending = handoff.get(rids[b])
             total = prefix_lens[b] + ext_lens[b]
             if pending is not None:
-                if total != len(pending.token_ids) or planner.wants_input_logprobs(live, b):
+                if total > len(pending.token_ids):
+                    # SGLang retracted it under KV pressure (``retract_decode``) and now
+                    # prefills its prompt and the output so far again: its prompt's KV comes
+                    # from its own namespace of the prefix tree where still held, the rest
+                    # is computed as SGLang would. Not a fallback: the prompt was served.
+                    logger.info("sgl_pic: request %s resumes after a retraction", rids[b])
+                    self.metrics.resumed.inc()
+                elif total != len(pending.token_ids) or planner.wants_input_logprobs(live, b):
                     # A chunked-prefill piece before the last, or logprobs of input tokens
                     # (rows this path leaves zero): run it as SGLang would.
                     logger.warning("sgl_pic: request %s runs without reuse", rids[b])

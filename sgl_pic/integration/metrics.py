@@ -44,6 +44,11 @@ class PicMetrics:
             "Chunked request pieces run without reuse (chunked-prefill pieces before the last, "
             "or input logprobs)",
         )
+        self.resumed = Counter(
+            "sgl_pic_resumed",
+            "Chunked requests prefilled again with their output so far after SGLang retracted "
+            "them under KV pressure (run as SGLang would)",
+        )
         self.failures = Counter(
             "sgl_pic_failures", "Batches whose chunk execution failed and ran without reuse"
         )

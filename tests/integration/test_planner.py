@@ -192,3 +192,37 @@ def test_a_deferred_miss_is_fresh_text_computed_whole() -> None:
     # and the fresh tail.
     assert sel.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
     assert plan.stats is not None and plan.stats.reused_tokens == 8 - 1
+
+
+def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> None:
+    # SGLang's retract_decode frees a running request and queues it again; its next extend
+    # covers the prompt and the output so far (more tokens than the marks were verified
+    # for). It runs as SGLang would, counted as resumed, not as a fallback.
+    from types import SimpleNamespace
+
+    from sgl_pic.integration.executor import ChunkExecutor
+
+    counts = {"resumed": 0, "fallbacks": 0}
+
+    def counter(name: str) -> SimpleNamespace:
+        return SimpleNamespace(inc=lambda: counts.__setitem__(name, counts[name] + 1))
+
+    ex = ChunkExecutor.__new__(ChunkExecutor)
+    ex.promoter = []  # nothing being promoted
+    ex.metrics = SimpleNamespace(resumed=counter("resumed"), fallbacks=counter("fallbacks"))
+    pending = _plan(spans=[[0, 4], [4, 8]], n=10).pending
+    ex.handoff = {"r": pending}
+    live = SimpleNamespace(
+        rids=["r"],
+        req_pool_indices=torch.tensor([1]),
+        extend_prefix_lens_cpu=[9],  # the prompt, held in the tree, but its last token
+        extend_seq_lens_cpu=[1 + 5],  # that token and 5 output tokens
+        return_logprob=False,
+    )
+    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
+    assert counts == {"resumed": 1, "fallbacks": 0} and ex.handoff == {}
+    # A chunked-prefill piece before the last is still a fallback.
+    ex.handoff = {"r": pending}
+    live.extend_prefix_lens_cpu, live.extend_seq_lens_cpu = [0], [6]
+    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
+    assert counts == {"resumed": 1, "fallbacks": 1}
