@@ -159,14 +159,21 @@ def test_a_refused_server_gets_sglangs_own_tree(monkeypatch: pytest.MonkeyPatch)
     activate_cpu_stubs()  # the sgl_kernel / torchvision stand-ins SGLang's tree imports
     from sglang.srt.mem_cache import registry
 
+    from sgl_pic.integration import metrics
     from tests.integration.test_model_hooks import ctx
 
     built: list[Any] = []
     monkeypatch.setattr(registry, "default_radix_cache_factory", lambda c: built.append(c) or c)
+    # Prometheus names are global and other tests of this process register PicMetrics.
+    refused: dict[str, float] = {}
+    gauge = SimpleNamespace(
+        labels=lambda reason: SimpleNamespace(set=lambda v: refused.__setitem__(reason, v))
+    )
+    monkeypatch.setattr(metrics, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
     monkeypatch.setattr(plugin, "_gate", None)
     monkeypatch.setattr(plugin, "_executor", None)
     c = ctx("torch_native", enable_hierarchical_cache=True)
     c.model_config.vocab_size = 100
     assert plugin.build_tree_cache(c) is c and built == [c]
     assert plugin._executor is None and plugin._gate is not None
-    assert plugin._gate.signer is None
+    assert plugin._gate.signer is None and refused == {"kv_tiers": 1}
