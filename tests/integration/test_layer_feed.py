@@ -41,7 +41,7 @@ from sgl_pic.store.loader import (
     SparseLoader,
 )
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
-from tests.integration.fakes import SENTINEL, ChunkData, FakePool, chunk_data
+from tests.integration.fakes import SENTINEL, ChunkData, FakePool, chunk_data, feed_every_layer
 
 LAYERS, HEADS, DIM, SEG = 4, 2, 8, 4
 INV_FREQ = default_inv_freq(DIM, 10000.0)
@@ -312,12 +312,7 @@ def test_everything_recomputed_writes_nothing(setup) -> None:
     ]
     pool = FakePool(POOL, LAYERS, HEADS, DIM)
     feed = LayerFeed(setup.lower.loader, full, setup.slots, KVAccess(pool, LAYERS, ROPE), LAYERS)
-    feed.start()
-    try:
-        for layer in range(LAYERS):
-            feed.before_layer(layer)
-    finally:
-        feed.close()
+    feed_every_layer(feed, LAYERS)
     assert feed.done and feed.bytes_moved == 0 and feed.tokens_moved == 0
     assert all(torch.equal(a, torch.full_like(a, SENTINEL)) for a in pool.snapshot())
 
@@ -452,12 +447,7 @@ def test_threaded_hands_over_each_layer_in_stream_order(setup, monkeypatch) -> N
     pool = FakePool(POOL, LAYERS, HEADS, DIM)
     feed = setup.feed("threaded", pool, kv=LoggingKV(pool, handoff.log))
     assert devices == [torch.device("cpu")]
-    feed.start()
-    try:
-        for layer in range(LAYERS):
-            feed.before_layer(layer)
-    finally:
-        feed.close()
+    feed_every_layer(feed, LAYERS)
     main = threading.current_thread().name
     for layer in range(LAYERS):
         steps = [(s, t) for s, lay, t in handoff.log if lay == layer]
@@ -503,12 +493,7 @@ def test_cuda_pool_matches_the_cpu_result(setup, mode) -> None:
     pool = cuda_pool()
     feed = setup.feed(mode, pool)
     assert isinstance(feed._handoff, CudaHandoff) == (mode == "threaded")
-    feed.start()
-    try:
-        for layer in range(LAYERS):
-            feed.before_layer(layer)
-    finally:
-        feed.close()
+    feed_every_layer(feed, LAYERS)
     torch.cuda.current_stream().synchronize()
     (k, v), (want_k, want_v) = pool.snapshot(), cpu.snapshot()
     torch.testing.assert_close(k.cpu(), want_k, atol=1e-5, rtol=0)

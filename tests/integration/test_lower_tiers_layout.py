@@ -36,7 +36,7 @@ from sgl_pic.store.disk import DiskStore, DiskStoreConfig
 from sgl_pic.store.format import encode_record, write_record
 from sgl_pic.store.object_backend import ObjectBackend, PutOutcome
 from sgl_pic.store.shared import SharedStore, SharedStoreConfig
-from tests.integration.fakes import SENTINEL, FakePool, chunk_data
+from tests.integration.fakes import SENTINEL, FakePool, chunk_data, feed_every_layer
 
 LAYERS, HEADS, DIM, N = 3, 2, 8, 6
 INV_FREQ = default_inv_freq(DIM, 10000.0)
@@ -101,12 +101,7 @@ def errors(lower) -> dict[str, int]:  # noqa: ANN001
 def feed_all(lower, hit, pool_kv: KVAccess, mode: str = "inorder") -> None:  # noqa: ANN001
     places = lower.placements(hit, TOKENS, 0, torch.empty(0, dtype=torch.int64))
     feed = LayerFeed(lower.loader, places, torch.arange(1, 1 + N), pool_kv, LAYERS, mode)
-    feed.start()
-    try:
-        for layer in range(LAYERS):
-            feed.before_layer(layer)
-    finally:
-        feed.close()
+    feed_every_layer(feed, LAYERS)
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
