@@ -66,13 +66,13 @@ def test_calibrated_r_is_stored_exported_and_used(served: tuple[Server, str]) ->
     assert server.generate(body(*first)).status_code == 200  # computes the chunks
 
     # Chunk nodes are flushed with SGLang's tree; host memory keeps the chunks.
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    requests.post(server.url + "/flush_cache?timeout=30", timeout=60).raise_for_status()
     toks, spans = chunked(["C", "A", "B"], "Where do rivers meet?", header="Heron.\n")
     got, d = _recomputed(server, body(toks, spans))
     assert d['sgl_pic_tier_hits_total{tier="host"}'] == 3
     assert got == _expected_recomputed(toks, spans, r_host)
 
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    requests.post(server.url + "/flush_cache?timeout=30", timeout=60).raise_for_status()
     toks, spans = chunked(["B", "C", "A"], "Which city has temples?", header="Egret.\n")
     pinned = body(toks, spans, cachetune_r=R_FIXED)  # the request's own r wins
     got, d = _recomputed(server, pinned)
@@ -86,7 +86,7 @@ def test_cacheblend_loads_host_chunks_whole(served: tuple[Server, str]) -> None:
     server, _ = served
     toks, spans = chunked(["D", "E"], "Where is the midnight sun?", header="Stork.\n")
     assert server.generate(body(toks, spans)).status_code == 200  # computes the chunks
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    requests.post(server.url + "/flush_cache?timeout=30", timeout=60).raise_for_status()
     toks, spans = chunked(["E", "D"], "Which port has funiculars?", header="Swan.\n")
     _, d = _recomputed(server, body(toks, spans, policy="cacheblend"))
     assert d['sgl_pic_tier_hits_total{tier="host"}'] == 2

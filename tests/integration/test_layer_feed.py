@@ -363,6 +363,9 @@ def test_a_stuck_read_raises_feed_timeout_and_the_worker_ends(setup, close_first
     workers = feed_threads() - before
     assert len(workers) == 1
     feed.before_layer(0)
+    # The worker must be inside layer 1's read before the timeout starts: a starved one
+    # that had not reached it would see the stop and end without reading.
+    assert loader.entered.wait(10)
     t0 = time.monotonic()
     with pytest.raises(FeedTimeout, match="layer 1") as err:
         feed.before_layer(1)
@@ -505,7 +508,9 @@ class SlowStreamLoader(SparseLoader):
     copies land late on the device although the worker issues them at once."""
 
     def fetch_layer(self, chunks, layer: int) -> FetchedLayer:  # noqa: ANN001
-        torch.cuda._sleep(300_000_000 if layer == LAYERS - 1 else 20_000_000)
+        # About 1.5 s on the last layer: a host stall shorter than that cannot let the
+        # copy finish before the test looks.
+        torch.cuda._sleep(3_000_000_000 if layer == LAYERS - 1 else 20_000_000)
         return super().fetch_layer(chunks, layer)
 
 

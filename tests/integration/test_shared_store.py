@@ -30,6 +30,7 @@ SHARED_HITS = 'sgl_pic_tier_hits_total{tier="shared"}'
 MISSES = "sgl_pic_chunk_misses_total"
 UNREACHABLE = "sgl_pic_shared_store_unreachable_total"
 CORRUPT = 'sgl_pic_store_errors_total{kind="shared_corrupt"}'
+UP = "sgl_pic_shared_store_up"
 
 
 @pytest.fixture(scope="module")
@@ -124,21 +125,24 @@ def test_store_killed_and_restarted_mid_run(
         "both servers to count the outage",
     )
     service.start()
-    # The servers find the store again by a background probe; until then each attempt
-    # (new chunks every time) is served from A's own tiers and not written.
+    # Each server finds the store again by its own background probe; until then each
+    # attempt (new chunks every time) is served from its own tiers, and A does not write
+    # it, or B does not look there. An attempt ends once A has written its chunks and B
+    # has read them both from the store.
     for attempt in range(15):
         toks, spans = fresh(["G", "H"], "Which city uses hot springs?", f"({attempt}) ")
         req = body(toks, spans)
         stored0 = metric(a, STORED)
         generate(a, req)
-        if poll(lambda s0=stored0: metric(a, STORED) >= s0 + 2, 5.0):
+        if not poll(lambda s0=stored0: metric(a, STORED) >= s0 + 2, 5.0):
+            continue
+        hits0 = metric(b, SHARED_HITS)
+        generate(b, req)
+        if metric(b, SHARED_HITS) - hits0 == 2:
             break
     else:
-        pytest.fail("A never wrote to the restarted store")
-    hits0 = metric(b, SHARED_HITS)
-    generate(b, req)
-    assert metric(b, SHARED_HITS) - hits0 == 2, b.log_tail()
-    assert metric(a, "sgl_pic_shared_store_up") == 1.0
+        pytest.fail(f"B never read A's chunks from the restarted store\n{b.log_tail()}")
+    assert metric(a, UP) == 1.0 and metric(b, UP) == 1.0
 
 
 def test_corrupt_object_is_detected_and_recomputed(

@@ -216,11 +216,13 @@ def test_shutdown_runs_queued_jobs_until_the_deadline_and_drops_the_rest():
     took = time.monotonic() - t0
     assert 0.3 < took < 1.5
     assert res.joined and not wb.thread_alive
-    assert res.completed == len(ran) and 2 <= len(ran) <= 5
-    assert ran == list(range(len(ran)))  # in order, the rest never started
-    assert res.completed + res.cancelled == 10 and res.failed == 0
+    # The report counts what the drain did; on a slow runner a job may have finished
+    # before it began, which only the cumulative counts hold.
     stats = wb.stats()
-    assert stats.cancelled == res.cancelled and stats.completed == res.completed
+    assert stats.completed == len(ran) and 2 <= len(ran) <= 5
+    assert ran == list(range(len(ran)))  # in order, the rest never started
+    assert stats.completed + stats.cancelled == 10 and stats.failed == res.failed == 0
+    assert stats.cancelled == res.cancelled and res.completed <= stats.completed
     assert not wb.submit(lambda: None) and wb.stats().dropped == 1
     again = wb.shutdown(5.0)  # idempotent
     assert (again.completed, again.cancelled, again.joined) == (0, 0, True)
@@ -285,7 +287,9 @@ def test_stop_event_cuts_the_drain_short():
     t0 = time.monotonic()
     res = wb.shutdown(30.0, stop=stop)
     assert time.monotonic() - t0 < 2.0
-    assert res.joined and res.completed + res.cancelled == 20 and res.cancelled > 0
+    stats = wb.stats()  # cumulative: a job may have finished before the drain began
+    assert res.joined and res.cancelled == stats.cancelled > 0
+    assert stats.completed + stats.cancelled == 20 and res.completed <= stats.completed
 
 
 def test_host_shutdown_drops_later_write_backs():
