@@ -106,11 +106,13 @@ class StoreLink:
             return
 
     def wait_connected(self, timeout_s: float) -> bool:
-        """Whether the link joined the store within ``timeout_s`` (tests, tools)."""
+        """Whether the link joined the store and took calls within ``timeout_s`` (tests,
+        tools). Waits for both: the connect thread marks the link up just after joining,
+        and a call made in between is refused."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if self._connected:
+                if self._connected and self._up:
                     return True
             time.sleep(0.05)
         return False
