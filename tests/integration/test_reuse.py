@@ -304,7 +304,6 @@ def test_requests_of_one_batch_share_a_probe_pass_and_each_matches_oracle(
         after = server.metrics()
         assert all(o.status_code == 200 for o in outs), [o.text for o in outs]
         assert after["sgl_pic_failures_total"] == before["sgl_pic_failures_total"]
-        assert after[recomputed] - before[recomputed] == want
         for (_, ref), out in zip(reqs, outs, strict=True):
             top = out.json()["meta_info"]["output_top_logprobs"][0]  # [[logprob, id, _]]
             for logprob, token_id, _ in top:
@@ -313,6 +312,9 @@ def test_requests_of_one_batch_share_a_probe_pass_and_each_matches_oracle(
         assert 2 <= passes <= 3
         # Two passes alone could be the qa_layers-3 pair batched and the third on its own.
         if passes == 2 and _batches_of_three(server) > seen:
+            # Only in one batch does no request find another's header ("Probe batch
+            # {attempt}.") in the radix tree, which the oracle does not have either.
+            assert after[recomputed] - before[recomputed] == want
             return
     pytest.fail("the three requests never ran as one batch:\n" + server.log_tail())
 
