@@ -37,7 +37,7 @@ import torch
 
 from sgl_pic.config import PicConfig
 from sgl_pic.integration.kv_access import KVAccess
-from sgl_pic.integration.layer_feed import LayerFeed
+from sgl_pic.integration.layer_feed import LayerFeed, feed_every_layer
 from sgl_pic.integration.lower_tiers import LowerHit, LowerTiers
 from sgl_pic.integration.model_rope import ModelRope
 from sgl_pic.keys import ModelFingerprint
@@ -105,13 +105,7 @@ def measure_overhead(num_layers: int, repeats: int = 5) -> float:
     empty = torch.empty(0, dtype=torch.int64)  # host: no slots, nothing is written
 
     def run() -> None:
-        feed = LayerFeed(loader, [], empty, kv, num_layers, mode="threaded")
-        feed.start()
-        try:
-            for layer in range(num_layers):
-                feed.before_layer(layer)
-        finally:
-            feed.close()
+        feed_every_layer(LayerFeed(loader, [], empty, kv, num_layers, mode="threaded"))
 
     return time_call(run, repeats) / num_layers
 

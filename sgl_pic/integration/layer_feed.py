@@ -271,3 +271,15 @@ class LayerFeed:
             else:
                 self._thread = None
         self._loaded.clear()
+
+
+def feed_every_layer(feed: LayerFeed) -> None:
+    """Starts ``feed`` and asks it for each layer in order, as a forward's layer hooks
+    do, with no forward in between (calibration times the feed's own handoffs this way);
+    the feed is closed whatever happens."""
+    feed.start()
+    try:
+        for layer in range(feed.num_layers):
+            feed.before_layer(layer)
+    finally:
+        feed.close()

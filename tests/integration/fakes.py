@@ -8,7 +8,7 @@ writes land in. ``chunk_data`` makes a chunk's KV as phase 1 would leave it.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -128,14 +128,3 @@ def chunk_data(
     v = torch.randn(num_layers, n, heads, head_dim, generator=g)
     post = rotate_layers(pre_k, torch.arange(n), inv_freq)
     return ChunkData(tokens, pre_k, v, torch.stack([post, v], dim=1), torch.rand(n, generator=g))
-
-
-def feed_every_layer(feed: Any, num_layers: int) -> None:
-    """Starts a ``LayerFeed`` and asks it for each layer in order, as a forward does; the
-    feed is closed whatever happens."""
-    feed.start()
-    try:
-        for layer in range(num_layers):
-            feed.before_layer(layer)
-    finally:
-        feed.close()

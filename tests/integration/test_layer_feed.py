@@ -26,6 +26,7 @@ from sgl_pic.integration.layer_feed import (
     HostHandoff,
     LayerFeed,
     MissingChunkError,
+    feed_every_layer,
 )
 from sgl_pic.integration.lower_tiers import LowerTiers
 from sgl_pic.integration.model_rope import ModelRope
@@ -41,7 +42,7 @@ from sgl_pic.store.loader import (
     SparseLoader,
 )
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
-from tests.integration.fakes import SENTINEL, ChunkData, FakePool, chunk_data, feed_every_layer
+from tests.integration.fakes import SENTINEL, ChunkData, FakePool, chunk_data
 
 LAYERS, HEADS, DIM, SEG = 4, 2, 8, 4
 INV_FREQ = default_inv_freq(DIM, 10000.0)
@@ -312,7 +313,7 @@ def test_everything_recomputed_writes_nothing(setup) -> None:
     ]
     pool = FakePool(POOL, LAYERS, HEADS, DIM)
     feed = LayerFeed(setup.lower.loader, full, setup.slots, KVAccess(pool, LAYERS, ROPE), LAYERS)
-    feed_every_layer(feed, LAYERS)
+    feed_every_layer(feed)
     assert feed.done and feed.bytes_moved == 0 and feed.tokens_moved == 0
     assert all(torch.equal(a, torch.full_like(a, SENTINEL)) for a in pool.snapshot())
 
@@ -450,7 +451,7 @@ def test_threaded_hands_over_each_layer_in_stream_order(setup, monkeypatch) -> N
     pool = FakePool(POOL, LAYERS, HEADS, DIM)
     feed = setup.feed("threaded", pool, kv=LoggingKV(pool, handoff.log))
     assert devices == [torch.device("cpu")]
-    feed_every_layer(feed, LAYERS)
+    feed_every_layer(feed)
     main = threading.current_thread().name
     for layer in range(LAYERS):
         steps = [(s, t) for s, lay, t in handoff.log if lay == layer]
@@ -496,7 +497,7 @@ def test_cuda_pool_matches_the_cpu_result(setup, mode) -> None:
     pool = cuda_pool()
     feed = setup.feed(mode, pool)
     assert isinstance(feed._handoff, CudaHandoff) == (mode == "threaded")
-    feed_every_layer(feed, LAYERS)
+    feed_every_layer(feed)
     torch.cuda.current_stream().synchronize()
     (k, v), (want_k, want_v) = pool.snapshot(), cpu.snapshot()
     torch.testing.assert_close(k.cpu(), want_k, atol=1e-5, rtol=0)

@@ -25,7 +25,7 @@ import torch
 from sgl_pic.config import PicConfig
 from sgl_pic.integration import plugin
 from sgl_pic.integration.kv_access import KVAccess
-from sgl_pic.integration.layer_feed import LayerFeed, MissingChunkError
+from sgl_pic.integration.layer_feed import LayerFeed, MissingChunkError, feed_every_layer
 from sgl_pic.integration.model_rope import ModelRope
 from sgl_pic.integration.settings import PicServerSettings
 from sgl_pic.keys import ModelFingerprint
@@ -36,7 +36,7 @@ from sgl_pic.store.disk import DiskStore, DiskStoreConfig
 from sgl_pic.store.format import encode_record, write_record
 from sgl_pic.store.object_backend import ObjectBackend, PutOutcome
 from sgl_pic.store.shared import SharedStore, SharedStoreConfig
-from tests.integration.fakes import SENTINEL, FakePool, chunk_data, feed_every_layer
+from tests.integration.fakes import SENTINEL, FakePool, chunk_data
 
 LAYERS, HEADS, DIM, N = 3, 2, 8, 6
 INV_FREQ = default_inv_freq(DIM, 10000.0)
@@ -101,7 +101,7 @@ def errors(lower) -> dict[str, int]:  # noqa: ANN001
 def feed_all(lower, hit, pool_kv: KVAccess, mode: str = "inorder") -> None:  # noqa: ANN001
     places = lower.placements(hit, TOKENS, 0, torch.empty(0, dtype=torch.int64))
     feed = LayerFeed(lower.loader, places, torch.arange(1, 1 + N), pool_kv, LAYERS, mode)
-    feed_every_layer(feed, LAYERS)
+    feed_every_layer(feed)
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
