@@ -22,7 +22,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from sgl_pic.integration import lifecycle
 from sgl_pic.integration.lifecycle import ShutdownHook, install_shutdown
 from sgl_pic.integration.lower_tiers import LowerTiers
-from sgl_pic.store import disk as disk_mod
 from sgl_pic.store.disk import DiskStoreConfig
 from sgl_pic.store.format import TMP_PREFIX, read_record
 from sgl_pic.store.host import HostStoreConfig
@@ -37,6 +36,7 @@ from tests.integration.test_lower_tiers import (
     SEG,
     FakeMetrics,
 )
+from tests.store.helpers import hold_disk_writes
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_LINE = re.compile(
@@ -78,28 +78,14 @@ def lower(tmp_path: Path) -> Iterator[LowerTiers]:
     lt.store.close()
 
 
-def held_slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> threading.Event:
-    """Disk writes take ``seconds`` each, and none starts before the returned event is
-    set (put it in the hook's ``before``): the shutdown report counts what the drain
-    did, so a write that a slow runner finished before it would be in no count."""
-    real = disk_mod.write_record
-    go = threading.Event()
-
-    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        go.wait(30)
-        time.sleep(seconds)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(disk_mod, "write_record", slow)
-    return go
-
-
 def test_run_drains_counts_logs_once_and_joins(lower, tmp_path, monkeypatch, caplog) -> None:
-    go = held_slow_writes(monkeypatch, 0.1)
+    # No write starts before the drain: its report counts what it did, so a write that a
+    # slow runner finished before it would be in no count.
+    held = hold_disk_writes(monkeypatch, 0.1)
     put_segments(lower, 10)
     metrics = FakeMetrics()
     hook = ShutdownHook(lower, metrics, timeout_s=0.35)
-    hook.before.append(go.set)
+    hook.before.append(held.release.set)
     with caplog.at_level(logging.INFO, logger="sgl_pic.integration.lifecycle"):
         report = hook.run("test")
         assert hook.run("again") is report  # idempotent: no second drain, count or line

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,11 +12,11 @@ from prometheus_client import CollectorRegistry, Counter
 from sgl_pic.integration.lower_tiers import LowerTiers
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
-from sgl_pic.store import disk as disk_mod
 from sgl_pic.store.disk import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig, WriteBackStats
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.integration.fakes import ChunkData, chunk_data
+from tests.store.helpers import hold_disk_writes
 
 LAYERS, HEADS, DIM, SEG = 3, 2, 8, 4
 INV_FREQ = default_inv_freq(DIM, 10000.0)
@@ -212,16 +211,7 @@ class FakeMetrics:
 
 
 def test_queue_drops_reach_the_metrics_as_deltas(stores, tmp_path, monkeypatch) -> None:
-    release = threading.Event()
-    writing = threading.Event()
-    real = disk_mod.write_record
-
-    def hung_write(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        writing.set()
-        release.wait(10)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(disk_mod, "write_record", hung_write)
+    held = hold_disk_writes(monkeypatch)
     cfg = TieredStoreConfig(
         host=HostStoreConfig(capacity_bytes=1 << 22, pin_memory=False, write_back_queue=1),
         disk=DiskStoreConfig(root=str(tmp_path), capacity_bytes=1 << 22),
@@ -235,7 +225,7 @@ def test_queue_drops_reach_the_metrics_as_deltas(stores, tmp_path, monkeypatch) 
         # are refused depends on when its thread dequeues.
         first = chunk(seed=2, n=4)
         assert lt.put_chunk(first.tokens, first.pre_k, first.v, first.ranking) == 1
-        assert writing.wait(10)
+        assert held.started.wait(10)
         c = chunk(n=40)  # 10 segments: one waits in the queue, the rest are refused
         assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 10  # all in host memory
         dropped = store.queue_stats()["writeback"].dropped
@@ -258,4 +248,4 @@ def test_queue_drops_reach_the_metrics_as_deltas(stores, tmp_path, monkeypatch) 
         assert metrics.value("sgl_pic_queue_drops", queue="tier_promotion") == 3
         assert metrics.value("sgl_pic_queue_drops", queue="writeback") == dropped + 2
     finally:
-        release.set()
+        held.release.set()

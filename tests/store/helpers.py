@@ -1,12 +1,18 @@
-"""Helpers for the store tests: small random records with valid keys."""
+"""Helpers for the store tests: small random records with valid keys, and disk writes
+held or slowed."""
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from typing import NamedTuple
 
+import pytest
 import torch
 
 from sgl_pic.keys import ModelFingerprint
+from sgl_pic.store import disk as disk_mod
 from sgl_pic.store.base import ChunkKV
 
 MODEL = ModelFingerprint(model_id="test-model", dtype="float32", pre_rope=True).digest()
@@ -54,3 +60,28 @@ def same_record(a: ChunkKV, b: ChunkKV) -> bool:
         and torch.equal(a.v.contiguous().view(torch.uint8), b.v.contiguous().view(torch.uint8))
         and rank_eq
     )
+
+
+class HeldWrites(NamedTuple):
+    """started: set by each disk write as it begins. release: what each waits for."""
+
+    started: threading.Event
+    release: threading.Event
+
+
+def hold_disk_writes(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.0) -> HeldWrites:
+    """Every disk write (``disk.write_record``) sets ``started``, waits for ``release``
+    (30 s at most: a hang guard), takes ``seconds`` more, then writes. Tests of the
+    background queues hold a write this way, so that what they count does not depend on
+    when the writer thread runs; set ``release`` at once for slow writes alone."""
+    real = disk_mod.write_record
+    held = HeldWrites(threading.Event(), threading.Event())
+
+    def write(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        held.started.set()
+        held.release.wait(30)
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(disk_mod, "write_record", write)
+    return held

@@ -1,17 +1,15 @@
 import os
 import threading
-import time
 
 import pytest
 import torch
 
-from sgl_pic.store import disk as disk_mod
 from sgl_pic.store import format as fmt
 from sgl_pic.store.disk import DiskStoreConfig
 from sgl_pic.store.format import TMP_PREFIX, read_record
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
-from tests.store.helpers import MODEL, make_record, same_record
+from tests.store.helpers import MODEL, hold_disk_writes, make_record, same_record
 
 REC_BYTES = make_record().nbytes
 
@@ -95,17 +93,6 @@ def test_lock_protects_in_host(tmp_path):
     store.close()
 
 
-def slow_disk_writes(monkeypatch, seconds: float) -> None:
-    """Each disk write takes ``seconds`` more (before its temp file is opened)."""
-    real = disk_mod.write_record
-
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(disk_mod, "write_record", slow)
-
-
 def writer_threads(store: TieredStore) -> list[bool]:
     return [store.host._writer.thread_alive, store._promoter.thread_alive]
 
@@ -113,15 +100,7 @@ def writer_threads(store: TieredStore) -> list[bool]:
 def test_queue_stats_count_write_back_drops(tmp_path, monkeypatch):
     # The first write is held until the others have been offered, so how many are
     # refused does not depend on the writer thread's timing.
-    writing, release = threading.Event(), threading.Event()
-    real = disk_mod.write_record
-
-    def held(*args, **kwargs):
-        writing.set()
-        release.wait(10)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(disk_mod, "write_record", held)
+    held = hold_disk_writes(monkeypatch)
     cfg = TieredStoreConfig(
         host=HostStoreConfig(capacity_bytes=20 * REC_BYTES, write_back_queue=2),
         disk=DiskStoreConfig(root=str(tmp_path), capacity_bytes=1 << 24),
@@ -129,7 +108,7 @@ def test_queue_stats_count_write_back_drops(tmp_path, monkeypatch):
     store = TieredStore(cfg, MODEL)
     try:
         assert store.put(make_record(seed=0))
-        assert writing.wait(10)
+        assert held.started.wait(10)
         for i in range(1, 8):
             assert store.put(make_record(seed=i))  # held in host memory either way
         stats = store.queue_stats()
@@ -137,7 +116,7 @@ def test_queue_stats_count_write_back_drops(tmp_path, monkeypatch):
         assert stats["writeback"].dropped == 5 and stats["tier_promotion"].dropped == 0
         assert stats["writeback"].submitted == 3
     finally:
-        release.set()
+        held.release.set()
         store.close()
 
 
@@ -178,7 +157,7 @@ def test_promotion_queue_drops_are_counted(tmp_path):
 def test_shutdown_leaves_only_complete_files_and_counts_every_queued_write(
     tmp_path, monkeypatch, timeout_s
 ):
-    slow_disk_writes(monkeypatch, 0.1)
+    hold_disk_writes(monkeypatch, 0.1).release.set()  # slow writes, none held
     store = tiered(tmp_path, host_records=20)
     recs = [make_record(seed=i) for i in range(10)]
     for r in recs:
