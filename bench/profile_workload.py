@@ -3,24 +3,29 @@ against sgl-pic, on the first ``--requests`` requests of one ``bench/workloads.p
 
 Each stack sample is put in one bucket: decode, or an extend forward by who ran it
 (SGLang's own extend, or sgl-pic's assembly, phase 1, query probe, phase 2) and by what it
-was doing (MLP, QKV projection and RoPE, the attention kernel, the output projection,
-chunk storage and KV copies, the rest of the layer). Seconds are samples over the rate.
-With the tokens each side computed (prefix caching: prompt less cached; sgl-pic: phase 1
-and phase 2 tokens, ``sgl_pic_encoded_tokens_total`` and ``..._recomputed_tokens_total``),
-the buckets give a cost per computed
-token, which says which part of the forward sgl-pic pays more for than SGLang does.
+was doing (the query probe's scoring, MLP, QKV projection and RoPE, the attention kernel,
+the output projection, chunk storage and KV copies, the rest of the layer). Seconds are
+samples over the rate. With the tokens each side computed (prefix caching: prompt less
+cached; sgl-pic: phase 1 and phase 2 tokens, ``sgl_pic_encoded_tokens_total`` and
+``..._recomputed_tokens_total``), the buckets give a cost per computed token, which says
+which part of the forward sgl-pic pays more for than SGLang does.
 
 ``extend_parts`` puts that against the ideal of ``bench/workloads.py``: each part's
 seconds in sgl-pic's extend forwards (all stages together; assembly and the query probe
 also on their own) next to prefix caching's seconds of that part scaled by the ratio of
 computed tokens, which is what the part would cost at SGLang's per-token rate.
+``stages`` splits the same seconds by who ran them (assembly, phase 1, probe, phase 2,
+SGLang's extend of requests without reuse), each also over the ideal's total: phase 2
+alone against the ideal says what the recomputed tokens cost before any other overhead.
 ``keys_per_query`` is the attention work per computed token: keys each query attends (a
 query at position p attends p + 1), averaged over prefix caching's computed tokens (from
 each request's prompt and cached lengths) and over each phase's tokens
 (``sgl_pic_phase_attended_keys_total`` over ``sgl_pic_phase_forward_tokens_total``).
 
 Needs ``py-spy`` (``pip install py-spy``; not a project dependency). Results:
-``bench/results/profile_<workload>.json`` with the commit and dirty flag.
+``bench/results/profile_<workload>.json`` with the commit and dirty flag; ``--raw-dir``
+keeps py-spy's raw stacks (``<config>.txt``, one folded stack and its count per line) for a
+closer look at a bucket.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ RATE = 50  # samples per second
 
 # (bucket, frame names any of which marks it), first match wins, within an extend forward.
 PARTS = [
+    # The probe's scoring runs in a hook inside the attention module: without its own
+    # bucket it fell to the rest of the layer.
+    ("scoring", ("QueryProbe.after_attention",)),
     ("mlp", ("LlamaMLP.forward",)),
     ("attn_kernel", ("grouped_forward_extend", "_run_sdpa_forward_extend")),
     ("qkv_rope", ("forward_prepare_native",)),
@@ -157,6 +165,12 @@ def extend_parts(base: dict[str, Any], pic: dict[str, Any]) -> dict[str, Any]:
     total = sum(v for k, v in pic["seconds"].items() if "." in k or k == "assemble")
     base_total = sum(v for k, v in base["seconds"].items() if k.startswith("sglang_extend."))
     out["total"] = {"sgl_pic_s": round(total, 2), "ideal_s": round(base_total * work, 2)}
+    ideal = max(base_total * work, 1e-9)
+    stages = [name for name, _ in STAGES] + ["sglang_extend"]
+    out["stages"] = {}
+    for stage in stages:
+        mine = sum(v for k, v in pic["seconds"].items() if k == stage or k.startswith(stage + "."))
+        out["stages"][stage] = {"sgl_pic_s": round(mine, 2), "over_ideal": round(mine / ideal, 3)}
     return out
 
 
@@ -168,6 +182,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--raw-dir", default=None, help="keep py-spy's raw stacks here")
     args = ap.parse_args()
     commit, dirty = git_state()
     src = Streams(DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
@@ -175,9 +190,11 @@ def main() -> None:
     warmup = server_warmup(src, args.concurrency)
     report: dict[str, Any] = {"git_commit": commit, "git_dirty": dirty, "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
+        raw_dir = Path(args.raw_dir or tmp)
+        raw_dir.mkdir(parents=True, exist_ok=True)
         for config in ("prefix_caching", "sgl_pic"):
             print(f"== {args.workload} / {config}", flush=True)
-            raw = Path(tmp) / f"{config}.txt"
+            raw = raw_dir / f"{config}.txt"
             report[config] = profile(args, sessions, config, raw, warmup)
     for config in ("prefix_caching", "sgl_pic"):
         r = report[config]
