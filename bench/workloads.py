@@ -11,6 +11,14 @@ requests, ``--concurrency`` sessions at a time, each session's requests in order
   ``rag_churn`` also ``sgl_pic_lru`` (``--pic-eviction lru``), to show what the eviction
   policy keeps.
 
+``--configs`` picks the configurations run side by side (``prefix_caching`` and ``sgl_pic``
+always among them); besides those above it takes the variants of ``VARIANTS``, sgl-pic
+with one setting changed (``sgl_pic_daric``: ``--pic-policy daric``, a selection without
+the query probe). Each variant gets the same figures against the same prefix-caching run
+(``compare``'s ``variants``: its fraction of its own ideal, extend seconds over that
+ideal's, greedy agreement), so a setting's throughput is read beside what it does to the
+answers. Without ``prefix_caching_first_token`` the replay ideal is not reported.
+
 Both get the same bounded cache (``--server-args``, by default a quarter of SGLang's KV pool
 for chunk nodes and 256 MiB of host memory, no disk tier), so that the churn of novel
 chunks does evict.
@@ -117,6 +125,12 @@ SERVER_ARGS = (
     "--enable-cache-report --enable-metrics"
 )
 AUTO = "tool,document,user,assistant"
+# sgl-pic with one setting changed, named by what changed: the flags added to sgl_pic's.
+VARIANTS = {
+    "sgl_pic_lru": ["--pic-eviction", "lru"],
+    "sgl_pic_daric": ["--pic-policy", "daric"],
+}
+DEFAULT_CONFIGS = ("prefix_caching", "prefix_caching_first_token", "sgl_pic")
 PASSAGE_TOKENS = 120  # passages are cut to this many tokens
 MAX_NEW_TOKENS = 8
 
@@ -397,7 +411,7 @@ def config_flags(server_args: str, config: str) -> list[str]:
     if config.startswith("prefix_caching"):
         return [*flags, "--pic-disable"]
     flags += ["--pic-auto-chunk", AUTO]
-    return flags + (["--pic-eviction", "lru"] if config == "sgl_pic_lru" else [])
+    return flags + VARIANTS.get(config, [])
 
 
 def config_form(config: str) -> str:
@@ -564,7 +578,7 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     fractions of them reached (module docstring); for the churn check, the chunk hit rate
     of the first and last quarter of the windows after ``warmup`` completions."""
     base, pic = runs["prefix_caching"], runs["sgl_pic"]
-    one_token = runs["prefix_caching_first_token"]
+    one_token = runs.get("prefix_caching_first_token")
     work = pic["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
     base_extend = extend_seconds(base)
     pic_extend = extend_seconds(pic)
@@ -576,8 +590,8 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         ideal_wall_s(b, p) / p["wall_s"] for b, p in zip(base["blocks"], pic["blocks"], strict=True)
     ]
     # The earlier ideal: decode as prefix caching's wall less its one-token replay's.
-    decode_s = max(base["wall_s"] - one_token["wall_s"], 0.0)
-    replay_wall = decode_s + one_token["wall_s"] * work
+    decode_s = max(base["wall_s"] - one_token["wall_s"], 0.0) if one_token else None
+    replay_wall = decode_s + one_token["wall_s"] * work if one_token else None
     # The same with decode taken inside the prefix-caching run alone: the share of its
     # requests' time after their first token (no second run's wall time in it).
     after_first = sum(r["latency"] - r["ttft"] for r in base["records"])
@@ -617,9 +631,9 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
             c: runs[c]["wall_s"] - sum(runs[c]["forward_seconds"].values())
             for c in ("prefix_caching", "sgl_pic")
         },
-        "decode_share_of_base": decode_s / base["wall_s"],
-        "ideal_speedup_replay": base["wall_s"] / replay_wall,
-        "fraction_of_ideal_replay": replay_wall / pic["wall_s"],
+        "decode_share_of_base": decode_s / base["wall_s"] if one_token else None,
+        "ideal_speedup_replay": base["wall_s"] / replay_wall if replay_wall else None,
+        "fraction_of_ideal_replay": replay_wall / pic["wall_s"] if replay_wall else None,
         "decode_share_in_run": decode_share,
         "fraction_of_ideal_in_run_decode": proxy_wall / pic["wall_s"],
         # Where the gap to the ideal comes from, in tokens and forward sizes: what sgl-pic
@@ -637,6 +651,7 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         },
         "token_reuse_rate": {c: r["token_reuse_rate"] for c, r in runs.items()},
         "greedy_agreement": pic.get("agreement", {}).get("greedy_agreement"),
+        "variants": {c: variant_figures(base, r) for c, r in runs.items() if c in VARIANTS},
     }
     for c, r in runs.items():
         if r["pic"] is None:
@@ -651,6 +666,31 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
             "last_over_first": None if not first else last / first,  # type: ignore[operator]
         }
     return out
+
+
+def variant_figures(base: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """One sgl-pic variant against prefix caching: its throughput, its fraction of the
+    ideal its own prefill work implies, block by block where it ran beside prefix caching
+    (an interleaved run), and what its selection did to the answers."""
+    work = run["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
+    blocks = None
+    if len(run["blocks"]) == len(base["blocks"]) > 1:
+        pairs = zip(base["blocks"], run["blocks"], strict=True)
+        blocks = [ideal_wall_s(b, r) / r["wall_s"] for b, r in pairs]
+    return {
+        "throughput_ratio": base["wall_s"] / run["wall_s"],
+        "ideal_speedup": base["wall_s"] / ideal_wall_s(base, run),
+        "fraction_of_ideal": ideal_wall_s(base, run) / run["wall_s"],
+        "fraction_of_ideal_blocks": blocks,
+        "extend_over_ideal": extend_seconds(run) / max(extend_seconds(base) * work, 1e-9),
+        "decode_over_base": run["forward_seconds"]["decode"]
+        / max(base["forward_seconds"]["decode"], 1e-9),
+        "recomputed_fraction": run["pic"]["recomputed_fraction"],
+        "computed_over_ideal_work": run["pic"]["computed_tokens"]
+        / max(run["prefill_work_tokens"], 1),
+        "probe_forwards": run["pic"]["phase_forwards"]["probe"]["forwards"],
+        "greedy_agreement": run.get("agreement", {}).get("greedy_agreement"),
+    }
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -712,8 +752,20 @@ def main() -> None:
         help="plain requests every server runs (at once) before its stream, 0: none",
     )
     ap.add_argument("--smoke", action="store_true", help="a tiny stream: the pipeline works")
+    ap.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="configurations run side by side: prefix_caching and sgl_pic, and any of "
+        f"prefix_caching_first_token, {', '.join(VARIANTS)}",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "workloads.json"))
     args = ap.parse_args()
+    configs = args.configs.split(",")
+    known = {*DEFAULT_CONFIGS, *VARIANTS}
+    if not {"prefix_caching", "sgl_pic"} <= set(configs) or not set(configs) <= known:
+        ap.error(f"--configs needs prefix_caching and sgl_pic, from {sorted(known)}: {configs}")
+    if len(set(configs)) != len(configs):
+        ap.error(f"--configs names a configuration twice: {configs}")
     if args.interleave < 0:
         ap.error(f"--interleave must be >= 0, got {args.interleave}")
     if args.server_warmup < 0:
@@ -732,12 +784,11 @@ def main() -> None:
     warmup = server_warmup(src, args.server_warmup)
     for name in args.workloads.split(","):
         sessions = WORKLOADS[name](src, args.requests, args.seed)
-        configs = ["prefix_caching", "prefix_caching_first_token", "sgl_pic"]
         if args.interleave:
             runs = run_interleaved(args, name, sessions, configs, warmup)
         else:
             runs = {c: run_one(args, name, sessions, c, warmup) for c in configs}
-        if name == "rag_churn":
+        if name == "rag_churn" and "sgl_pic_lru" not in configs:
             # Alone in both modes: a fourth server at once would not fit in 24 GiB.
             runs["sgl_pic_lru"] = run_one(args, name, sessions, "sgl_pic_lru", warmup)
         report["workloads"][name] = {"runs": runs, "compare": compare(runs, args.warmup)}
