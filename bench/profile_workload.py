@@ -15,8 +15,9 @@ seconds in sgl-pic's extend forwards (all stages together; assembly and the quer
 also on their own) next to prefix caching's seconds of that part scaled by the ratio of
 computed tokens, which is what the part would cost at SGLang's per-token rate.
 ``stages`` splits the same seconds by who ran them (assembly, phase 1, probe, phase 2,
-SGLang's extend of requests without reuse), each also over the ideal's total: phase 2
-alone against the ideal says what the recomputed tokens cost before any other overhead.
+and ``sglang_extend``: the forward's frames outside those, the LM head's logits above all,
+and requests that ran without reuse), each also over the ideal's total: phase 2 alone
+against the ideal says what the recomputed tokens cost before any other overhead.
 ``keys_per_query`` is the attention work per computed token: keys each query attends (a
 query at position p attends p + 1), averaged over prefix caching's computed tokens (from
 each request's prompt and cached lengths) and over each phase's tokens
