@@ -14,10 +14,11 @@ requests, ``--concurrency`` sessions at a time, each session's requests in order
 ``--configs`` picks the configurations run side by side (``prefix_caching`` and ``sgl_pic``
 always among them); besides those above it takes the variants of ``VARIANTS``, sgl-pic
 with one setting changed (``sgl_pic_daric``: ``--pic-policy daric``, a selection without
-the query probe). Each variant gets the same figures against the same prefix-caching run
-(``compare``'s ``variants``: its fraction of its own ideal, extend seconds over that
-ideal's, greedy agreement), so a setting's throughput is read beside what it does to the
-answers. Without ``prefix_caching_first_token`` the replay ideal is not reported.
+the query probe). Each variant gets the default's figures against the same prefix-caching
+run (``reuse_figures``, in ``compare``'s ``variants``: its fraction of its own ideal,
+extend seconds over that ideal's, greedy agreement), so a setting's throughput is read
+beside what it does to the answers. Without ``prefix_caching_first_token`` the replay
+ideal is not reported.
 
 Both get the same bounded cache (``--server-args``, by default a quarter of SGLang's KV pool
 for chunk nodes and 256 MiB of host memory, no disk tier), so that the churn of novel
@@ -581,14 +582,7 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     one_token = runs.get("prefix_caching_first_token")
     work = pic["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
     base_extend = extend_seconds(base)
-    pic_extend = extend_seconds(pic)
-    ideal_wall = ideal_wall_s(base, pic)
-    # Block by block (an interleaved run): each block's ideal from that block of prefix
-    # caching, against the same block of sgl-pic run next to it. Their spread is how far
-    # one block's figure moves on this machine; the whole run's is their pooled value.
-    block_fractions = [
-        ideal_wall_s(b, p) / p["wall_s"] for b, p in zip(base["blocks"], pic["blocks"], strict=True)
-    ]
+    reuse = reuse_figures(base, pic)
     # The earlier ideal: decode as prefix caching's wall less its one-token replay's.
     decode_s = max(base["wall_s"] - one_token["wall_s"], 0.0) if one_token else None
     replay_wall = decode_s + one_token["wall_s"] * work if one_token else None
@@ -597,10 +591,9 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     after_first = sum(r["latency"] - r["ttft"] for r in base["records"])
     decode_share = after_first / max(sum(r["latency"] for r in base["records"]), 1e-9)
     proxy_wall = base["wall_s"] * (decode_share + (1 - decode_share) * work)
-    speedup = base["wall_s"] / pic["wall_s"]
     pic_ttft = {(r["session"], r["turn"]): r["ttft"] for r in pic["records"]}
     out: dict[str, Any] = {
-        "throughput_ratio": speedup,
+        **reuse,
         "ttft_p50_ratio": base["ttft_p50_s"] / pic["ttft_p50_s"],
         # Per request: the same request's TTFT in both runs (each run concurrent, so a
         # request's neighbours differ between them).
@@ -609,17 +602,9 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         ),
         "extend_share_of_base": base_extend / base["wall_s"],
         "ideal_prefill_speedup": 1 / max(work, 1e-9),
-        "fraction_of_prefill_ideal": speedup * work,
-        "ideal_speedup": base["wall_s"] / ideal_wall,
-        "fraction_of_ideal": ideal_wall / pic["wall_s"],
-        "fraction_of_ideal_blocks": block_fractions,
-        "fraction_of_ideal_block_median": statistics.median(block_fractions),
-        # sgl-pic's extend seconds over the ideal's (prefix caching's, scaled by the work);
-        # its other seconds against prefix caching's (decode, and what is outside forwards).
-        "extend_over_ideal": pic_extend / max(base_extend * work, 1e-9),
-        "decode_over_base": pic["forward_seconds"]["decode"]
-        / max(base["forward_seconds"]["decode"], 1e-9),
-        # The same over decode steps, and the requests a step held: a server whose prefill
+        "fraction_of_prefill_ideal": reuse["throughput_ratio"] * work,
+        "fraction_of_ideal_block_median": statistics.median(reuse["fraction_of_ideal_blocks"]),
+        # Decode over steps, and the requests a step held: a server whose prefill
         # ends sooner may decode the same tokens in more steps of fewer requests.
         "decode_step_s_over_base": per_decode_step(pic, pic["forward_seconds"]["decode"])
         / max(per_decode_step(base, base["forward_seconds"]["decode"]), 1e-9),
@@ -636,11 +621,9 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
         "fraction_of_ideal_replay": replay_wall / pic["wall_s"] if replay_wall else None,
         "decode_share_in_run": decode_share,
         "fraction_of_ideal_in_run_decode": proxy_wall / pic["wall_s"],
-        # Where the gap to the ideal comes from, in tokens and forward sizes: what sgl-pic
-        # computed over the work the ideal counts, and the tokens per forward of SGLang's
-        # extend batches against those of the phase forwards sgl-pic splits them into.
-        "computed_over_ideal_work": pic["pic"]["computed_tokens"]
-        / max(pic["prefill_work_tokens"], 1),
+        # Where the gap to the ideal comes from in forward sizes: the tokens per forward of
+        # SGLang's extend batches against those of the phase forwards sgl-pic splits them
+        # into.
         "tokens_per_forward": {
             "prefix_caching": base["tokens_per_prefill_batch"],
             **{
@@ -650,8 +633,7 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
             },
         },
         "token_reuse_rate": {c: r["token_reuse_rate"] for c, r in runs.items()},
-        "greedy_agreement": pic.get("agreement", {}).get("greedy_agreement"),
-        "variants": {c: variant_figures(base, r) for c, r in runs.items() if c in VARIANTS},
+        "variants": {c: reuse_figures(base, r) for c, r in runs.items() if c in VARIANTS},
     }
     for c, r in runs.items():
         if r["pic"] is None:
@@ -668,13 +650,21 @@ def compare(runs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any]:
     return out
 
 
-def variant_figures(base: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """One sgl-pic variant against prefix caching: its throughput, its fraction of the
-    ideal its own prefill work implies, block by block where it ran beside prefix caching
-    (an interleaved run), and what its selection did to the answers."""
+def reuse_figures(base: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """One sgl-pic configuration (the default or a variant) against prefix caching: its
+    throughput, its fraction of the ideal its own prefill work implies, and what its
+    selection did to the answers.
+
+    Block by block (where both ran in the same blocks, as in an interleaved run): each
+    block's ideal from that block of prefix caching, against the same block of sgl-pic run
+    next to it. Their spread is how far one block's figure moves on this machine; the
+    whole run's is their pooled value. Extend seconds are over the ideal's (prefix
+    caching's, scaled by the work), decode seconds over prefix caching's; the tokens
+    computed (phase 1 and phase 2) over the work the ideal counts say where the gap comes
+    from in tokens."""
     work = run["prefill_work_tokens"] / max(base["prefill_work_tokens"], 1)
     blocks = None
-    if len(run["blocks"]) == len(base["blocks"]) > 1:
+    if len(run["blocks"]) == len(base["blocks"]):
         pairs = zip(base["blocks"], run["blocks"], strict=True)
         blocks = [ideal_wall_s(b, r) / r["wall_s"] for b, r in pairs]
     return {
