@@ -161,17 +161,15 @@ def extend_parts(base: dict[str, Any], pic: dict[str, Any]) -> dict[str, Any]:
         ideal = base["seconds"].get(f"sglang_extend.{part}", 0.0) * work
         out[part] = {"sgl_pic_s": round(mine, 2), "ideal_s": round(ideal, 2)}
     out["assemble"] = {"sgl_pic_s": pic["seconds"].get("assemble", 0.0), "ideal_s": 0.0}
-    probe = sum(v for k, v in pic["seconds"].items() if k.startswith("probe."))
-    out["of_which_probe_s"] = round(probe, 2)
     total = sum(v for k, v in pic["seconds"].items() if "." in k or k == "assemble")
     base_total = sum(v for k, v in base["seconds"].items() if k.startswith("sglang_extend."))
     out["total"] = {"sgl_pic_s": round(total, 2), "ideal_s": round(base_total * work, 2)}
     ideal = max(base_total * work, 1e-9)
-    stages = [name for name, _ in STAGES] + ["sglang_extend"]
     out["stages"] = {}
-    for stage in stages:
+    for stage in [name for name, _ in STAGES] + ["sglang_extend"]:
         mine = sum(v for k, v in pic["seconds"].items() if k == stage or k.startswith(stage + "."))
         out["stages"][stage] = {"sgl_pic_s": round(mine, 2), "over_ideal": round(mine / ideal, 3)}
+    out["of_which_probe_s"] = out["stages"]["probe"]["sgl_pic_s"]
     return out
 
 
