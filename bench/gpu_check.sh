@@ -3,7 +3,8 @@
 # network): the CUDA kernels' tests, the serving path's torch-side ops on CUDA, and the
 # kernels' bandwidth benchmark, all within 8 minutes. Reports land in $OUT (default
 # bench/results): env.txt, build.log, tests.log, serving.log, gpu_serving_ops.json,
-# bench.log, kernels_<device>.json, summary.json.
+# bench.log, kernels_<device>.json, summary.json, and with SGLang installed also
+# serve_check.log and serve_check.json.
 #
 #   bash bench/gpu_check.sh                 # on the GPU machine
 #   bash bench/gpu_check.sh --cpu-dry-run   # anywhere: the plain-python checks on the CPU
@@ -15,7 +16,13 @@
 # carry it) when that directory exists; prepare it on a networked machine with e.g.
 #   pip download --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl msgpack numpy pytest
-# Nothing here imports SGLang. Exit: 0 all passed, 1 a check failed, 3 no CUDA device.
+# Where SGLang is installed (a user's GPU machine), the last step is the one-shot serving
+# check (bench/serve_check.py): the server at its defaults on this GPU, chunked requests
+# against exact ones, its metrics; SERVE_ARGS passes server arguments to it (e.g.
+# SERVE_ARGS="--model-path Qwen/Qwen2.5-7B-Instruct"; the embedded model by default).
+# Without SGLang (the lent device image) that step is skipped and said so; nothing else
+# imports SGLang. SERVE_BUDGET_S (default 900) bounds that step alone.
+# Exit: 0 all passed, 1 a check failed, 3 no CUDA device.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-bench/results}"
@@ -124,12 +131,25 @@ timeout "$(left 150)" "$PY" bench/kernels.py --out-dir "$OUT" --max-tokens 25600
 rc_bench=$?
 tail -n 30 "$OUT/bench.log"
 
+rc_serve=skipped
+if have sglang; then
+  echo "== bench/serve_check.py: the server at its defaults on this GPU"
+  # Its own budget: a server start (weights, graph capture) outlasts the ops budget.
+  # shellcheck disable=SC2086  # SERVE_ARGS is a list of server arguments
+  timeout "${SERVE_BUDGET_S:-900}" "$PY" bench/serve_check.py --out-dir "$OUT" -- \
+    ${SERVE_ARGS:-} \
+    2>&1 | tee "$OUT/serve_check.log" | grep -E '^[a-z]+ +(OK|FAIL)|Error|launching'
+  rc_serve=${PIPESTATUS[0]}
+else
+  echo "== serving check skipped: SGLang is not installed here (bench/serve_check.py needs it)"
+fi
+
 elapsed=$((SECONDS - start))
 cat >"$OUT/summary.json" <<EOF
 {"build": "$rc_build", "tests": "$rc_tests", "serving": "$rc_serving", "bench": "$rc_bench",
- "seconds": $elapsed}
+ "serve_check": "$rc_serve", "seconds": $elapsed}
 EOF
 echo "== summary: build=$rc_build tests=$rc_tests serving=$rc_serving bench=$rc_bench" \
-  "(${elapsed} s)"
+  "serve_check=$rc_serve (${elapsed} s)"
 [[ $rc_build == 0 && ($rc_tests == 0 || $rc_tests == skipped) && $rc_serving == 0 && \
-  $rc_bench == 0 ]] || exit 1
+  $rc_bench == 0 && ($rc_serve == 0 || $rc_serve == skipped) ]] || exit 1
