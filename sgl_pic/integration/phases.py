@@ -10,18 +10,23 @@ row of SGLang's ``req_to_token`` with a prefix and an extend length:
 - a plain request of the batch is itself.
 
 The batch is built from the live ``ForwardBatch`` (``dataclasses.replace``), given its own
-KV-location plan by SGLang's translator, planned by the selected attention backend's
-``init_forward_metadata``, and run through the model's decoder stack. FlashInfer, FA3,
-triton and torch_native attend it with their own kernels. The two-phase semantics need
-every new K/V of a layer written before any query of that layer attends, so that a run
-sees the fresh K/V of earlier runs of its request (and the reused KV elsewhere). FA3,
-triton and torch_native write first; FlashInfer's ragged extend reads the prefix from the
-pool before it writes, so phase batches are planned on its paged path, which writes first.
+KV-location plan by SGLang's translator, planned by the attention backend that serves
+extend batches (``extend_backend``) through ``init_forward_metadata``, and run through the
+model's decoder stack. FlashInfer, FA3, triton and torch_native attend it with their own
+kernels. The two-phase semantics need every new K/V of a layer written before any query
+of that layer attends, so that a run sees the fresh K/V of earlier runs of its request
+(and the reused KV elsewhere). In SGLang 0.5.23 FA3 (``flash_attn_with_kvcache`` over the
+rows' page table), triton (its extend kernel reads each prefix from the pool) and
+torch_native (``attention.torch_native_phase_extend``) write first. FlashInfer's ragged
+extend attends the prefix through its paged wrapper before it writes, so phase batches are
+planned on its paged path (``use_paged`` while planning: ``init_forward_metadata`` then
+plans ``use_ragged=False``), which writes first; ``PhaseRunner.prepare`` checks that plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -180,6 +185,28 @@ def build_phase_batch(
     return PhaseBatch(fb, subs)
 
 
+_HYBRID = "sglang.srt.layers.attention.hybrid_attn_backend"
+_FLASHINFER = "sglang.srt.layers.attention.flashinfer_backend"
+_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend"
+
+
+def _is_instance(obj: Any, module: str, name: str) -> bool:
+    """isinstance of SGLang's ``module.name``, without importing it: an object of a class
+    whose module was never imported is not one (FlashInfer's module imports flashinfer)."""
+    mod = sys.modules.get(module)
+    return mod is not None and isinstance(obj, getattr(mod, name))
+
+
+def extend_backend(backend: Any) -> Any:  # sglang AttentionBackend
+    """The backend that plans and attends extend batches under ``backend`` (the model
+    runner's): SGLang's HybridAttnBackend (prefill and decode backends differ) sends every
+    extend batch to its ``prefill_backend``; any other backend serves them itself.
+    FlashInfer's own ``prefill_backend`` is a kernel name ("fa2"), not a backend."""
+    if _is_instance(backend, _HYBRID, "HybridAttnBackend"):
+        return backend.prefill_backend
+    return backend
+
+
 class PhaseRunner:
     """Runs phase batches through SGLang: the backend plans each one, then the model's
     decoder stack runs it. ``stack(ids, positions, forward_batch)`` is the decoder stack's
@@ -196,6 +223,8 @@ class PhaseRunner:
         req_pool: Any | None,  # SGLang's ReqToTokenPool, for phase 1's scratch rows
     ) -> None:
         self.backend = backend
+        self._planner = extend_backend(backend)
+        self._flashinfer = _is_instance(self._planner, _FLASHINFER, "FlashInferAttnBackend")
         self.req_to_token = req_to_token
         self.translator = translator
         self.req_pool = req_pool
@@ -212,19 +241,22 @@ class PhaseRunner:
         """The phase batch of ``subrequests`` (# [sum extend] ``input_ids``), planned by
         the attention backend: after this the backend's metadata describes it."""
         phase = build_phase_batch(live, subrequests, input_ids, self.req_to_token, self.translator)
-        # SGLang's HybridAttnBackend (prefill and decode backends differ) plans an extend
-        # batch with its prefill half: that is the backend whose path matters here.
-        planner = getattr(self.backend, "prefill_backend", None) or self.backend
-        paged = getattr(planner, "use_paged", None)
-        if paged is False:
-            # FlashInfer: its ragged extend attends the prefix before this layer's writes
-            # (see module doc); the paged path writes first. Read only while planning.
-            planner.use_paged = True
+        planner = self._planner
+        if not self._flashinfer:
+            self.backend.init_forward_metadata(phase.forward_batch)
+            return phase
+        # FlashInfer plans ragged unless ``use_paged`` (or multimodal, multi-item scoring,
+        # deterministic inference); its ragged extend attends the prefix before this
+        # layer's writes (see module doc). The flag is read only while planning.
+        saved = planner.use_paged
+        planner.use_paged = True
         try:
             self.backend.init_forward_metadata(phase.forward_batch)
         finally:
-            if paged is False:
-                planner.use_paged = False
+            planner.use_paged = saved
+        if planner.forward_metadata.use_ragged:
+            # Raised, the batch runs without reuse (plugin); served, it would read stale KV.
+            raise RuntimeError("sgl_pic: FlashInfer planned a phase batch on its ragged path")
         return phase
 
     @property
@@ -234,8 +266,9 @@ class PhaseRunner:
         runs, so a request's recomputed set would depend on its batch; torch_native plans
         nothing per request (phase batches take ``torch_native_phase_extend``), so it
         never merges."""
-        planner = getattr(self.backend, "prefill_backend", None) or self.backend
-        if self.req_pool is None or type(planner).__name__ == "TorchNativeAttnBackend":
+        if self.req_pool is None or _is_instance(
+            self._planner, _TORCH_NATIVE, "TorchNativeAttnBackend"
+        ):
             return None
         return int(self.req_pool.size)
 

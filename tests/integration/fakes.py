@@ -8,7 +8,7 @@ writes land in. ``chunk_data`` makes a chunk's KV as phase 1 would leave it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -128,3 +128,48 @@ def chunk_data(
     v = torch.randn(num_layers, n, heads, head_dim, generator=g)
     post = rotate_layers(pre_k, torch.arange(n), inv_freq)
     return ChunkData(tokens, pre_k, v, torch.stack([post, v], dim=1), torch.rand(n, generator=g))
+
+
+class FakeModelRunner:
+    """The attributes of SGLang's ModelRunner that its attention backends (FlashInfer, FA3,
+    triton, hybrid, torch_native) read when built, each one ModelRunner sets itself
+    (``test_backend_contracts`` checks the names against its source). ``model_config`` is
+    SGLang's own ModelConfig; the pools, allocator and translator are SGLang's CPU ones.
+    Serving defaults: one GPU rank's runner, no speculative decoding, no sliding window."""
+
+    def __init__(
+        self,
+        model_config: Any,  # sglang ModelConfig
+        server_args: Any,  # sglang ServerArgs (the published one)
+        req_to_token_pool: Any,  # sglang ReqToTokenPool
+        token_to_kv_pool: Any,  # sglang MHATokenToKVPool
+        token_to_kv_pool_allocator: Any,
+        kv_index_translator: Any,  # sglang KVIndexTranslator
+        backend: str,  # --attention-backend
+        page_size: int = 1,
+    ) -> None:
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        self.model_config = model_config
+        self.server_args = server_args
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.kv_index_translator = kv_index_translator
+        self.prefill_attention_backend_str = backend
+        self.decode_attention_backend_str = backend
+        self.kv_cache_dtype = token_to_kv_pool.dtype
+        self.kv_cache_dtype_str = "auto"
+        self.dtype = model_config.dtype
+        self.page_size = page_size
+        self.sliding_window_size: int | None = None
+        self.device = "cpu"
+        self.gpu_id = 0
+        self.is_draft_worker = False
+        self.spec_algorithm = SpeculativeAlgorithm.from_string(None)
+
+    def decode_num_tokens_per_req(self, **kwargs: Any) -> int:
+        """ModelRunner's own method, run on this runner."""
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        return ModelRunner.decode_num_tokens_per_req(self, **kwargs)  # type: ignore[arg-type]

@@ -133,45 +133,20 @@ def test_phase_batch_is_what_the_plan_says() -> None:
         build_phase_batch(live, subs, ids[:3], table, None)
 
 
-def test_flashinfer_plans_phase_batches_on_its_paged_path() -> None:
-    # Its ragged extend reads the prefix before the layer's writes; the paged one after.
-    env = Env()
-    seen: list[bool] = []
-    backend = SimpleNamespace(use_paged=False)
-    backend.init_forward_metadata = lambda fb: seen.append(backend.use_paged)
-    runner = PhaseRunner(backend, env.req_pool.req_to_token, None, env.req_pool)
-    runner.prepare(env.live(), subrequests(env), torch.arange(36))
-    assert seen == [True] and backend.use_paged is False
-    assert runner.max_subrequests == env.req_pool.size
-
-
-def test_flashinfer_as_the_prefill_half_of_a_hybrid_backend_plans_paged_too() -> None:
-    # Prefill and decode backends that differ are SGLang's HybridAttnBackend, which has no
-    # use_paged of its own and plans an extend batch with its prefill half.
-    env = Env()
-    seen: list[bool] = []
-    prefill = SimpleNamespace(use_paged=False)
-    hybrid = SimpleNamespace(prefill_backend=prefill, decode_backend=SimpleNamespace())
-    hybrid.init_forward_metadata = lambda fb: seen.append(prefill.use_paged)
-    runner = PhaseRunner(hybrid, env.req_pool.req_to_token, None, env.req_pool)
-    runner.prepare(env.live(), subrequests(env), torch.arange(36))
-    assert seen == [True] and prefill.use_paged is False
+# FlashInfer, FA3, triton and hybrid backends: SGLang's own classes, in
+# ``test_backend_contracts``.
 
 
 def test_torch_native_puts_no_cap_on_sub_requests() -> None:
     # Past the cap the executor merges runs, and a request's recomputed set would depend
     # on the batch it shares; torch_native has no per-request plan buffers to bound.
     env = Env()
-    TorchNativeAttnBackend = type("TorchNativeAttnBackend", (), {})  # noqa: N806
-    assert (
-        PhaseRunner(
-            TorchNativeAttnBackend(), env.req_pool.req_to_token, None, env.req_pool
-        ).max_subrequests
-        is None
-    )
-    hybrid = SimpleNamespace(prefill_backend=TorchNativeAttnBackend())
-    assert (
-        PhaseRunner(hybrid, env.req_pool.req_to_token, None, env.req_pool).max_subrequests is None
+    runner = PhaseRunner(env.backend, env.req_pool.req_to_token, None, env.req_pool)
+    assert runner.max_subrequests is None
+    planned: list[Any] = []
+    other = SimpleNamespace(init_forward_metadata=planned.append)
+    assert PhaseRunner(other, env.req_pool.req_to_token, None, env.req_pool).max_subrequests == (
+        env.req_pool.size
     )
 
 
