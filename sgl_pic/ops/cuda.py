@@ -1,10 +1,14 @@
-"""Lazy loader of the CUDA kernels in ``kernels/`` and their launchers.
+"""Loader of the CUDA kernels in ``kernels/`` and their launchers.
 
-Nothing here runs at import. The first ``status()`` on a machine where torch sees a GPU
-builds ``kernels/*.cu`` with nvcc for the visible devices' architectures into a cache
-directory (once per source/flags/arch/nvcc combination; later processes reuse the
-file), loads it with ctypes and checks its ABI version. Any failure is recorded in the
-returned ``CudaStatus`` and the ops fall back to the torch reference.
+Nothing here runs at import, and nothing here builds inside a forward. ``prepare(device)``
+is the one entry that builds: called once per process at start-up (worker side, before
+serving), it builds ``kernels/*.cu`` with nvcc for the visible devices' architectures
+into a cache directory (once per source/flags/arch/nvcc combination, under a file lock so
+that ranks sharing the directory build it once; later processes reuse the file), loads it
+with ctypes, checks its ABI version and runs each kernel once on the device against the
+torch reference. Any failure (build, load, ABI, launch error, wrong result), there or at
+a later launch, marks the kernels unavailable once, with the reason kept in
+``status()``; the ops then run the torch reference and never try the kernels again.
 
 The library takes raw pointers: launchers pass ``tensor.data_ptr()`` and the current
 torch stream, so kernels are ordered with the surrounding torch work. It links CUDA's
@@ -14,20 +18,27 @@ makes torch's pointers and streams valid in it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan
+from sgl_pic.ops import reference
+from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan, layers_of, plan_gather, plan_rope
+from sgl_pic.rope import default_inv_freq
+
+logger = logging.getLogger(__name__)
 
 
 def find_kernel_dir() -> Path:
@@ -59,9 +70,24 @@ class CudaStatus(NamedTuple):
     reason: str
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_status: CudaStatus | None = None
+class KernelError(RuntimeError):
+    """The kernels cannot run: unavailable, or a launch returned an error (which marks
+    them unavailable for the rest of the process)."""
+
+
+class _Kernels:
+    """The process's kernel library: its status, the loaded library and the devices its
+    launch test passed on. Changed only under ``lock``, by ``prepare``, ``load`` and a
+    failed launch."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lib: ctypes.CDLL | None = None
+        self.status: CudaStatus | None = None  # None until prepared
+        self.tested: set[torch.device] = set()
+
+
+_KERNELS = _Kernels()
 
 
 def find_nvcc() -> Path | None:
@@ -108,22 +134,39 @@ def build_library(
         return lib
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so concurrent processes never load half a file.
-    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    cmd = [str(nvcc), *flags, *gencode, f"-I{kernel_dir}", "-shared", *map(str, sources)]
-    cmd += ["-o", tmp_name]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
-            )
-        os.replace(tmp_name, lib)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+    # Ranks of one machine share the directory: one builds, the others wait and load it.
+    with _file_lock(out_dir / f"{lib.name}.lock"):
+        if lib.is_file():
+            return lib
+        # Build beside the target and rename, so no process ever loads half a file.
+        fd, tmp_name = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
+        os.close(fd)
+        cmd = [str(nvcc), *flags, *gencode, f"-I{kernel_dir}", "-shared", *map(str, sources)]
+        cmd += ["-o", tmp_name]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
+                )
+            os.replace(tmp_name, lib)
+        finally:
+            if os.path.exists(tmp_name):
+                os.unlink(tmp_name)
     return lib
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` across processes (and threads: each call opens its
+    own descriptor); the kernel drops it if the holder dies. Waits are bounded by the
+    holder's nvcc timeout."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -150,42 +193,157 @@ def open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _visible_archs() -> list[str]:
+    return sorted(
+        {
+            "{}{}".format(*torch.cuda.get_device_capability(d))
+            for d in range(torch.cuda.device_count())
+        }
+    )
+
+
+def _fail_locked(library: Path | None, reason: str) -> CudaStatus:
+    """Marks the kernels unavailable for good (holding ``_KERNELS.lock``), logging once."""
+    _KERNELS.lib = None
+    _KERNELS.tested.clear()
+    _KERNELS.status = CudaStatus(False, library, reason)
+    logger.warning("sgl_pic: CUDA kernels unavailable, KV ops run in torch: %s", reason)
+    return _KERNELS.status
+
+
+def _load_locked(library: Path | None, cache_dir: Path) -> CudaStatus:
+    """Builds (when ``library`` is None) and opens the library, holding the lock."""
+    _KERNELS.lib = None
+    _KERNELS.tested.clear()
+    if not torch.cuda.is_available():
+        _KERNELS.status = CudaStatus(False, library, "torch sees no CUDA device")
+        return _KERNELS.status
+    try:
+        if library is None:
+            if not KERNEL_DIR.is_dir():
+                raise RuntimeError(f"kernel sources not found at {KERNEL_DIR}")
+            library = build_library(cache_dir, _visible_archs())
+        _KERNELS.lib = open_library(library)
+    except Exception as exc:  # noqa: BLE001 - any failure leaves torch serving
+        return _fail_locked(library, f"{type(exc).__name__}: {exc}")
+    _KERNELS.status = CudaStatus(True, library, "loaded")
+    return _KERNELS.status
+
+
+def _test_locked(device: torch.device) -> CudaStatus:
+    """Runs ``launch_test`` of the loaded library on ``device``, holding the lock."""
+    state, lib = _KERNELS.status, _KERNELS.lib
+    assert state is not None and lib is not None
+    try:
+        with torch.cuda.device(device):
+            launch_test(lib, device)
+    except Exception as exc:  # noqa: BLE001 - build, ABI or driver: never trust them
+        return _fail_locked(state.library, f"launch test on {device}: {type(exc).__name__}: {exc}")
+    _KERNELS.tested.add(device)
+    tested = ", ".join(sorted(str(d) for d in _KERNELS.tested))
+    _KERNELS.status = CudaStatus(True, state.library, f"loaded; launch test passed on {tested}")
+    logger.info("sgl_pic: CUDA kernels ready on %s (%s)", device, state.library)
+    return _KERNELS.status
+
+
+def prepare(device: torch.device) -> CudaStatus:
+    """Makes the kernels ready for ``device`` or marks them unavailable; never raises.
+
+    Called at start-up, worker side, once per process before the first forward (ops never
+    build): on a CUDA device it builds or finds the library, loads it and runs
+    ``launch_test`` there. Later calls return the recorded status, running the launch
+    test once more only for a device not yet tested; a failure is final for the process.
+    A non-CUDA device gets an unavailable status and builds nothing."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CudaStatus(False, None, f"{device} is not a CUDA device; nothing built")
+    with _KERNELS.lock:
+        if _KERNELS.status is None:
+            _load_locked(None, DEFAULT_CACHE_DIR)
+        state = _KERNELS.status
+        assert state is not None
+        if not state.available:
+            return state
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device in _KERNELS.tested:
+            return state
+        return _test_locked(device)
+
+
 def load(library: Path | None = None, cache_dir: Path = DEFAULT_CACHE_DIR) -> CudaStatus:
-    """(Re)loads the kernels: ``library`` if given (e.g. from compile_check.sh), else the
-    cached build for the visible GPUs, building it first when missing. Never raises."""
-    global _lib, _status
-    with _lock:
-        _lib = None
-        if not torch.cuda.is_available():
-            _status = CudaStatus(False, library, "torch sees no CUDA device")
-            return _status
-        try:
-            if library is None:
-                if not KERNEL_DIR.is_dir():
-                    raise RuntimeError(f"kernel sources not found at {KERNEL_DIR}")
-                archs = {
-                    "{}{}".format(*torch.cuda.get_device_capability(d))
-                    for d in range(torch.cuda.device_count())
-                }
-                library = build_library(cache_dir, sorted(archs))
-            _lib = open_library(library)
-            _status = CudaStatus(True, library, "loaded")
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _status = CudaStatus(False, library, f"{type(exc).__name__}: {exc}")
-        return _status
+    """Reloads the kernels for tools (e.g. compile_check.sh's ``library``; else the cached
+    build for the visible GPUs, building it when missing), forgetting any earlier status,
+    and runs ``launch_test`` on the current CUDA device. Never raises."""
+    with _KERNELS.lock:
+        state = _load_locked(library, cache_dir)
+        if not state.available:
+            return state
+        return _test_locked(torch.device("cuda", torch.cuda.current_device()))
 
 
 def status() -> CudaStatus:
-    """The kernels' status, loading them on first call."""
-    return _status if _status is not None else load()
+    """The kernels' status; builds and loads nothing. Before ``prepare``, unavailable."""
+    state = _KERNELS.status
+    if state is not None:
+        return state
+    if not torch.cuda.is_available():
+        return CudaStatus(False, None, "torch sees no CUDA device")
+    return CudaStatus(False, None, "not prepared: sgl_pic.ops.cuda.prepare(device) not called")
 
 
 def require() -> ctypes.CDLL:
-    """The loaded library; RuntimeError with the reason when the kernels can't run."""
-    state = status()
-    if _lib is None:
-        raise RuntimeError(f"sgl-pic CUDA kernels unavailable: {state.reason}")
-    return _lib
+    """The loaded library; KernelError with the reason when the kernels can't run."""
+    lib = _KERNELS.lib
+    if lib is None:
+        raise KernelError(f"sgl-pic CUDA kernels unavailable: {status().reason}")
+    return lib
+
+
+def _fail(reason: str) -> None:
+    """A launch failed in service: the kernels are unavailable from now on."""
+    with _KERNELS.lock:
+        state = _KERNELS.status
+        if state is not None and state.available:
+            _fail_locked(state.library, reason)
+
+
+def launch_test(lib: ctypes.CDLL, device: torch.device) -> None:
+    """Runs each kernel of ``lib`` once on ``device`` on a few rows (copies into a stacked
+    buffer and into per-layer tensors; deferred RoPE and re-rotation, one per layout) and
+    compares with the torch reference. Raises KernelError for a launch error or a wrong
+    result (torch's own error for a fault found at the sync). Changes nothing outside
+    its own tensors; takes a few milliseconds."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    src = rand(2, 8, 2, 64, dtype=torch.bfloat16)  # [num_layers, rows, heads, head_dim]
+    pool = rand(2, 16, 2, 64, dtype=torch.bfloat16)
+    tokens = torch.tensor([5, 0, 7], device=device)
+    slots = torch.tensor([3, 15, 8], device=device)
+    for name, dst in (("stacked", pool.clone()), ("per-layer", list(pool.clone().unbind(0)))):
+        want = pool.clone()
+        reference.run_copy(plan_gather(src, tokens, want, slots))
+        _launch_copy(lib, plan_gather(src, tokens, dst, slots))
+        torch.cuda.synchronize(device)
+        got = dst if isinstance(dst, torch.Tensor) else torch.stack(dst)
+        if not torch.equal(got, want):
+            raise KernelError(f"pic_copy_rows ({name}) disagrees with the torch reference")
+
+    keys = rand(2, 16, 2, 64, dtype=torch.float32)
+    inv_freq = default_inv_freq(64, 1e4, device=device)
+    positions = torch.tensor([3, 70000, 9], device=device)
+    old = torch.tensor([100, 2, 9], device=device)
+    for layout, old_positions, scale in (("neox", None, 0.9), ("interleaved", old, 1.0)):
+        want, got = keys.clone(), keys.clone()
+        for out, run in ((want, reference.run_rope), (got, lambda p: _launch_rope(lib, p))):
+            target = layers_of(out, "keys")
+            run(plan_rope(target, positions, old_positions, inv_freq, layout, scale, slots))
+        torch.cuda.synchronize(device)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            raise KernelError(f"pic_rope_rows ({layout}) disagrees with the torch reference")
 
 
 def _alignment(*values: int) -> int:
@@ -220,7 +378,7 @@ def _layer_addressing(layers: Layers) -> tuple[int, int, int, list[int]]:
 
 def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
     if code != 0:
-        raise RuntimeError(f"{what}: {lib.pic_error_string(code).decode()} (code {code})")
+        raise KernelError(f"{what}: {lib.pic_error_string(code).decode()} (code {code})")
 
 
 def can_copy(plan: CopyPlan) -> bool:
@@ -247,8 +405,29 @@ def can_rope(plan: RopePlan) -> bool:
 
 
 def run_copy(plan: CopyPlan) -> None:
-    """Executes a validated copy plan (``can_copy(plan)``) on the current stream."""
+    """Executes a validated copy plan (``can_copy(plan)``) on the current stream.
+    KernelError when the kernels are unavailable or the launch fails (which marks them
+    unavailable); the destination is then unchanged."""
     lib = require()
+    try:
+        _launch_copy(lib, plan)
+    except KernelError as exc:
+        _fail(str(exc))
+        raise
+
+
+def run_rope(plan: RopePlan) -> None:
+    """Executes a validated RoPE plan (``can_rope(plan)``) on the current stream, like
+    ``run_copy``."""
+    lib = require()
+    try:
+        _launch_rope(lib, plan)
+    except KernelError as exc:
+        _fail(str(exc))
+        raise
+
+
+def _launch_copy(lib: ctypes.CDLL, plan: CopyPlan) -> None:
     n = plan.dst_ids.numel()
     if n == 0:
         return
@@ -282,9 +461,7 @@ def run_copy(plan: CopyPlan) -> None:
     _check(lib, code, "pic_copy_rows")
 
 
-def run_rope(plan: RopePlan) -> None:
-    """Executes a validated RoPE plan (``can_rope(plan)``) on the current stream."""
-    lib = require()
+def _launch_rope(lib: ctypes.CDLL, plan: RopePlan) -> None:
     n = plan.positions.numel()
     if n == 0:
         return
