@@ -203,7 +203,8 @@ def _visible_archs() -> list[str]:
 
 
 def _fail_locked(library: Path | None, reason: str) -> CudaStatus:
-    """Marks the kernels unavailable for good (holding ``_KERNELS.lock``), logging once."""
+    """Marks the kernels unavailable for good (holding ``_KERNELS.lock``) and says why, in
+    one line: called once per process, as nothing retries them afterwards."""
     _KERNELS.lib = None
     _KERNELS.tested.clear()
     _KERNELS.status = CudaStatus(False, library, reason)
@@ -211,38 +212,44 @@ def _fail_locked(library: Path | None, reason: str) -> CudaStatus:
     return _KERNELS.status
 
 
-def _load_locked(library: Path | None, cache_dir: Path) -> CudaStatus:
-    """Builds (when ``library`` is None) and opens the library, holding the lock."""
+def _load_locked(library: Path | None, cache_dir: Path) -> ctypes.CDLL | None:
+    """Builds (when ``library`` is None) and opens the library, holding the lock; the
+    kernels stay unavailable until ``_ready_locked`` has tested them. None, with the
+    failure recorded, when it cannot be loaded."""
     _KERNELS.lib = None
     _KERNELS.tested.clear()
+    _KERNELS.status = None
     if not torch.cuda.is_available():
-        _KERNELS.status = CudaStatus(False, library, "torch sees no CUDA device")
-        return _KERNELS.status
+        _fail_locked(library, "torch sees no CUDA device")
+        return None
     try:
         if library is None:
             if not KERNEL_DIR.is_dir():
                 raise RuntimeError(f"kernel sources not found at {KERNEL_DIR}")
             library = build_library(cache_dir, _visible_archs())
-        _KERNELS.lib = open_library(library)
+        lib = open_library(library)
     except Exception as exc:  # noqa: BLE001 - any failure leaves torch serving
-        return _fail_locked(library, f"{type(exc).__name__}: {exc}")
-    _KERNELS.status = CudaStatus(True, library, "loaded")
-    return _KERNELS.status
+        _fail_locked(library, f"{type(exc).__name__}: {exc}")
+        return None
+    _KERNELS.status = CudaStatus(False, library, "loaded, launch test not run yet")
+    return lib
 
 
-def _test_locked(device: torch.device) -> CudaStatus:
-    """Runs ``launch_test`` of the loaded library on ``device``, holding the lock."""
-    state, lib = _KERNELS.status, _KERNELS.lib
-    assert state is not None and lib is not None
+def _ready_locked(lib: ctypes.CDLL, device: torch.device) -> CudaStatus:
+    """Runs ``launch_test`` of ``lib`` on ``device``, holding the lock; the kernels are
+    available once it passes, unavailable for good when it fails."""
+    state = _KERNELS.status
+    library = None if state is None else state.library
     try:
         with torch.cuda.device(device):
             launch_test(lib, device)
     except Exception as exc:  # noqa: BLE001 - build, ABI or driver: never trust them
-        return _fail_locked(state.library, f"launch test on {device}: {type(exc).__name__}: {exc}")
+        return _fail_locked(library, f"launch test on {device}: {type(exc).__name__}: {exc}")
     _KERNELS.tested.add(device)
     tested = ", ".join(sorted(str(d) for d in _KERNELS.tested))
-    _KERNELS.status = CudaStatus(True, state.library, f"loaded; launch test passed on {tested}")
-    logger.info("sgl_pic: CUDA kernels ready on %s (%s)", device, state.library)
+    _KERNELS.status = CudaStatus(True, library, f"loaded; launch test passed on {tested}")
+    _KERNELS.lib = lib
+    logger.info("sgl_pic: CUDA kernels ready on %s (%s)", device, library)
     return _KERNELS.status
 
 
@@ -258,17 +265,17 @@ def prepare(device: torch.device) -> CudaStatus:
     if device.type != "cuda":
         return CudaStatus(False, None, f"{device} is not a CUDA device; nothing built")
     with _KERNELS.lock:
+        lib = _KERNELS.lib
         if _KERNELS.status is None:
-            _load_locked(None, DEFAULT_CACHE_DIR)
-        state = _KERNELS.status
-        assert state is not None
-        if not state.available:
-            return state
+            lib = _load_locked(None, DEFAULT_CACHE_DIR)
+        if lib is None:
+            assert _KERNELS.status is not None
+            return _KERNELS.status
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device in _KERNELS.tested:
-            return state
-        return _test_locked(device)
+        if device in _KERNELS.tested and _KERNELS.status is not None:
+            return _KERNELS.status
+        return _ready_locked(lib, device)
 
 
 def load(library: Path | None = None, cache_dir: Path = DEFAULT_CACHE_DIR) -> CudaStatus:
@@ -276,10 +283,11 @@ def load(library: Path | None = None, cache_dir: Path = DEFAULT_CACHE_DIR) -> Cu
     build for the visible GPUs, building it when missing), forgetting any earlier status,
     and runs ``launch_test`` on the current CUDA device. Never raises."""
     with _KERNELS.lock:
-        state = _load_locked(library, cache_dir)
-        if not state.available:
-            return state
-        return _test_locked(torch.device("cuda", torch.cuda.current_device()))
+        lib = _load_locked(library, cache_dir)
+        if lib is None:
+            assert _KERNELS.status is not None
+            return _KERNELS.status
+        return _ready_locked(lib, torch.device("cuda", torch.cuda.current_device()))
 
 
 def status() -> CudaStatus:

@@ -135,3 +135,29 @@ def test_a_launch_error_in_service_marks_the_kernels_unavailable(
             cuda.run_copy(plan)  # not launched again
     assert lib.launches == ["copy"]
     assert len(_unavailable_logs(caplog)) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_a_cuda_device_without_a_gpu_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda, "_KERNELS", cuda._Kernels())
+    builds: list[object] = []
+    monkeypatch.setattr(cuda, "build_library", lambda *a, **k: builds.append(a))
+    state = cuda.prepare(torch.device("cuda"))
+    assert not state.available and "no CUDA device" in state.reason
+    assert cuda.status() == state and builds == []
+
+
+def test_no_status_says_available_before_the_launch_test_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_gpu(monkeypatch, FakeLib())
+    seen: list[bool] = []
+
+    def test_reading_status(lib, device) -> None:
+        seen.append(cuda.status().available)  # what an op on another thread would read
+        with pytest.raises(cuda.KernelError):
+            cuda.require()
+
+    monkeypatch.setattr(cuda, "launch_test", test_reading_status)
+    assert cuda.prepare(GPU0).available and seen == [False]
+    assert cuda.require() is not None
