@@ -98,14 +98,20 @@ def fits_table(
     if table.dim() != 2 or table.shape[1] != 2 * half:
         return False
     freq = inv_freq.detach().to(device=table.device, dtype=torch.float64)
+    offsets = torch.arange(min(_ROWS_PER_STEP, table.shape[0]), device=table.device)
+    local = offsets.double()[:, None] * freq[None, :]
+    cos_local, sin_local = local.cos(), local.sin()
     for start in range(0, table.shape[0], _ROWS_PER_STEP):
         rows = table[start : start + _ROWS_PER_STEP].double()
-        pos = torch.arange(start, start + rows.shape[0], device=table.device, dtype=torch.float64)
-        angle = pos[:, None] * freq[None, :]
+        n = rows.shape[0]
+        # Angle addition from the step's first row: exact to float64 rounding, and one
+        # transcendental per frequency per step instead of one per element.
+        c0, s0 = (start * freq).cos(), (start * freq).sin()
+        cos = cos_local[:n] * c0 - sin_local[:n] * s0
+        sin = sin_local[:n] * c0 + cos_local[:n] * s0
+        angle = (start + offsets[:n]).double()[:, None] * freq[None, :]
         bound = _SLACK * _EPS32 * (1.0 + angle.abs())
-        off = torch.maximum(
-            (rows[:, :half] - angle.cos()).abs(), (rows[:, half:] - angle.sin()).abs()
-        )
+        off = torch.maximum((rows[:, :half] - cos).abs(), (rows[:, half:] - sin).abs())
         if not bool((off <= bound).all()):
             return False
     return True
