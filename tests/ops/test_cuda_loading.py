@@ -161,3 +161,22 @@ def test_no_status_says_available_before_the_launch_test_passed(
     monkeypatch.setattr(cuda, "launch_test", test_reading_status)
     assert cuda.prepare(GPU0).available and seen == [False]
     assert cuda.require() is not None
+
+
+def test_the_launch_test_passes_a_right_library_and_catches_each_wrong_rope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Launchers that do what the kernels should (the torch reference) pass; one that
+    # rotates interleaved keys as neox is caught there.
+    lib, cpu = FakeLib(), torch.device("cpu")
+    fake_gpu(monkeypatch, lib)  # syncs become no-ops
+    monkeypatch.setattr(cuda, "_launch_copy", lambda lib_, plan: cuda.reference.run_copy(plan))
+    monkeypatch.setattr(cuda, "_launch_rope", lambda lib_, plan: cuda.reference.run_rope(plan))
+    cuda.launch_test(lib, cpu)
+
+    def neox_only(lib_, plan) -> None:
+        cuda.reference.run_rope(plan._replace(layout="neox"))
+
+    monkeypatch.setattr(cuda, "_launch_rope", neox_only)
+    with pytest.raises(cuda.KernelError, match="pic_rope_rows \\(interleaved\\)"):
+        cuda.launch_test(lib, cpu)
