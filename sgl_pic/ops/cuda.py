@@ -3,8 +3,8 @@
 Nothing here runs at import, and nothing here builds inside a forward. ``prepare(device)``
 is the one entry that builds: called once per process at start-up (worker side, before
 serving), it builds ``kernels/*.cu`` with nvcc for the visible devices' architectures
-into a cache directory (once per source/flags/arch/nvcc combination, under a file lock so
-that ranks sharing the directory build it once; later processes reuse the file), loads it
+(``sgl_pic.ops.cuda_build``: once per machine and source/flags/arch/nvcc combination,
+into a cache directory that later processes reuse), loads it
 with ctypes, checks its ABI version and runs each kernel once on the device against the
 torch reference. Any failure (build, load, ABI, launch error, wrong result), there or at
 a later launch, marks the kernels unavailable once, with the reason kept in
@@ -18,45 +18,28 @@ makes torch's pointers and streams valid in it.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from sgl_pic.ops import reference
+from sgl_pic.ops.cuda_build import DEFAULT_CACHE_DIR as DEFAULT_CACHE_DIR
+from sgl_pic.ops.cuda_build import KERNEL_DIR as KERNEL_DIR
+from sgl_pic.ops.cuda_build import build_library as build_library
+from sgl_pic.ops.cuda_build import find_nvcc as find_nvcc
+from sgl_pic.ops.cuda_build import nvcc_flags as nvcc_flags
 from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan, layers_of, plan_gather, plan_rope
 from sgl_pic.rope import default_inv_freq
 
 logger = logging.getLogger(__name__)
 
 
-def find_kernel_dir() -> Path:
-    """Where the CUDA sources are: ``sgl_pic/kernels`` inside an installed package (the
-    wheel ships them there, see pyproject.toml), else ``kernels/`` of the source checkout
-    this module runs from."""
-    here = Path(__file__).resolve()
-    packaged = here.parents[1] / "kernels"
-    if (packaged / "nvcc.flags").is_file():
-        return packaged
-    return here.parents[2] / "kernels"
-
-
-KERNEL_DIR = find_kernel_dir()
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "sgl_pic" / "kernels"
 ABI_VERSION = 1  # PIC_ABI_VERSION in kernels/sgl_pic_kernels.h
 MAX_HEAD_DIM = 1024  # kMaxHeadDim in kernels/rope.cu
-BUILD_TIMEOUT_S = 600
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _LAYOUT_CODES = {"neox": 0, "interleaved": 1}
@@ -88,85 +71,6 @@ class _Kernels:
 
 
 _KERNELS = _Kernels()
-
-
-def find_nvcc() -> Path | None:
-    for candidate in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
-
-
-def nvcc_flags(kernel_dir: Path = KERNEL_DIR) -> list[str]:
-    """The flags kernels/compile_check.sh uses too, from kernels/nvcc.flags."""
-    lines = (kernel_dir / "nvcc.flags").read_text().splitlines()
-    return [line.strip() for line in lines if line.strip()]
-
-
-def build_library(
-    out_dir: Path,
-    archs: Sequence[str],
-    nvcc: Path | None = None,
-    kernel_dir: Path = KERNEL_DIR,
-) -> Path:
-    """Builds (or finds already built) the kernel library for ``archs`` ("80", "90").
-
-    The file name carries a hash of the sources, flags, archs and nvcc version, so a
-    stale library is never loaded. Raises RuntimeError when nvcc fails.
-    """
-    nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found on PATH or at /usr/local/cuda/bin/nvcc")
-    sources = sorted(kernel_dir.glob("*.cu"))
-    if not sources:
-        raise RuntimeError(f"no CUDA sources under {kernel_dir}")
-    flags = nvcc_flags(kernel_dir)
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in sorted(set(archs))]
-    version = subprocess.run(
-        [str(nvcc), "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    digest = hashlib.sha256()
-    for path in sorted([*sources, *kernel_dir.glob("*.cuh"), *kernel_dir.glob("*.h")]):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update("\0".join([*flags, *gencode, version]).encode())
-    lib = out_dir / f"libsgl_pic_kernels-{digest.hexdigest()[:16]}.so"
-    if lib.is_file():
-        return lib
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Ranks of one machine share the directory: one builds, the others wait and load it.
-    with _file_lock(out_dir / f"{lib.name}.lock"):
-        if lib.is_file():
-            return lib
-        # Build beside the target and rename, so no process ever loads half a file.
-        fd, tmp_name = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
-        os.close(fd)
-        cmd = [str(nvcc), *flags, *gencode, f"-I{kernel_dir}", "-shared", *map(str, sources)]
-        cmd += ["-o", tmp_name]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
-                )
-            os.replace(tmp_name, lib)
-        finally:
-            if os.path.exists(tmp_name):
-                os.unlink(tmp_name)
-    return lib
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` across processes (and threads: each call opens its
-    own descriptor); the kernel drops it if the holder dies. Waits are bounded by the
-    holder's nvcc timeout."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _bind(lib: ctypes.CDLL) -> None:

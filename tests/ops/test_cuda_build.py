@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sgl_pic.ops.cuda import build_library
+from sgl_pic.ops.cuda_build import build_library
 
 HALF = 4096  # bytes the fake nvcc writes before and after its pause
 
