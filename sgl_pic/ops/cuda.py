@@ -4,11 +4,11 @@ Nothing here runs at import, and nothing here builds inside a forward. ``prepare
 is the one entry that builds: called once per process at start-up (worker side, before
 serving), it builds ``kernels/*.cu`` with nvcc for the visible devices' architectures
 (``sgl_pic.ops.cuda_build``: once per machine and source/flags/arch/nvcc combination,
-into a cache directory that later processes reuse), loads it
-with ctypes, checks its ABI version and runs each kernel once on the device against the
-torch reference. Any failure (build, load, ABI, launch error, wrong result), there or at
-a later launch, marks the kernels unavailable once, with the reason kept in
-``status()``; the ops then run the torch reference and never try the kernels again.
+into a cache directory later processes reuse), loads it with ctypes, checks its ABI
+version and runs each kernel once on the device against the torch reference. Any
+failure (build, load, ABI, launch error, wrong result), there or at a later launch,
+marks the kernels unavailable once, with the reason kept in ``status()``; the ops then
+run the torch reference and never try the kernels again.
 
 The library takes raw pointers: launchers pass ``tensor.data_ptr()`` and the current
 torch stream, so kernels are ordered with the surrounding torch work. It links CUDA's
