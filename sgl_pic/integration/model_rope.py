@@ -11,6 +11,11 @@ from the module too.
 Position-dependent schemes whose rotation at p is not "rotate by p" (dynamic NTK, which
 rebuilds its table with the length; LongRoPE's short/long switch; multimodal M-RoPE) are
 not in ``SUPPORTED_ROTARY``: such models are refused at start-up.
+
+The frequencies are kept only where every row of the table fits them within the fp32
+rounding of ``p * f``, a bound that grows with the position: SGLang's own fp32 tables
+drift from exact cos/sin by ~1e-2 at 131k positions and keep them, while another theta
+or scaling drifts far past it and loses them.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ class UnsupportedRope(ValueError):
 
 class RopeSpec(NamedTuple):
     """What the rotation reads from the model: the table, its layout, its scale, and
-    the plain frequencies when the table is exactly ``cos/sin(p * inv_freq)`` (the
-    CUDA kernels take frequencies, not tables)."""
+    the plain frequencies when the table is ``cos/sin(p * inv_freq)`` up to the fp32
+    rounding of its angles (``fits_table``; the CUDA kernels and the host/disk tiers
+    take frequencies, not tables)."""
 
     cos_sin: torch.Tensor  # [max_positions, rotary_dim] float32, row p = position p
     rotary_dim: int
@@ -71,6 +77,71 @@ def find_rotary(model: Any) -> Any:
     return first
 
 
+# fp32's machine epsilon: SGLang builds each angle p * f in fp32 (rounded by half an ulp,
+# i.e. up to p * f * eps / 2) and takes its cos and sin in fp32 (an ulp or two more).
+_EPS32 = float(torch.finfo(torch.float32).eps)
+# |table - cos/sin(p * f)| <= _SLACK * eps * (1 + p * f) for a table built from f: the
+# angle's rounding, cos/sin's own, and f's recovery from row 1 (about eps * f), with room.
+_SLACK = 8.0
+_ROWS_PER_STEP = 8192  # rows checked at a time: float64 temporaries stay at a few MB
+
+
+def fits_table(
+    table: torch.Tensor,  # [max_positions, 2 * n] float32, row p = cos then sin
+    inv_freq: torch.Tensor,  # [n]
+) -> bool:
+    """Whether every row p of ``table`` is ``cos(p * inv_freq), sin(p * inv_freq)`` within
+    the fp32 rounding of the angle, a bound that grows with p * inv_freq: a 131k-row fp32
+    table is off by ~1e-2 at its last rows and still exact, while a frequency wrong by more
+    than a few fp32 ulps (another theta or scaling) drifts past the bound."""
+    half = inv_freq.numel()
+    if table.dim() != 2 or table.shape[1] != 2 * half:
+        return False
+    freq = inv_freq.detach().to(device=table.device, dtype=torch.float64)
+    offsets = torch.arange(min(_ROWS_PER_STEP, table.shape[0]), device=table.device)
+    local = offsets.double()[:, None] * freq[None, :]
+    cos_local, sin_local = local.cos(), local.sin()
+    for start in range(0, table.shape[0], _ROWS_PER_STEP):
+        rows = table[start : start + _ROWS_PER_STEP].double()
+        n = rows.shape[0]
+        # Angle addition from the step's first row: exact to float64 rounding, and one
+        # transcendental per frequency per step instead of one per element.
+        c0, s0 = (start * freq).cos(), (start * freq).sin()
+        cos = cos_local[:n] * c0 - sin_local[:n] * s0
+        sin = sin_local[:n] * c0 + cos_local[:n] * s0
+        angle = (start + offsets[:n]).double()[:, None] * freq[None, :]
+        bound = _SLACK * _EPS32 * (1.0 + angle.abs())
+        off = torch.maximum((rows[:, :half] - cos).abs(), (rows[:, half:] - sin).abs())
+        if not bool((off <= bound).all()):
+            return False
+    return True
+
+
+def plain_frequencies(
+    table: torch.Tensor,  # [max_positions, 2 * n] float32
+    hint: torch.Tensor | None = None,  # [n] the module's own frequencies, if it has them
+) -> torch.Tensor | None:
+    """# [n] float32 frequencies f with ``fits_table(table, f)``, else None: ``hint`` when
+    it fits (the exact fp32 values the model used), else f read from row 1's angles."""
+    if table.dim() != 2 or table.shape[0] < 2 or table.shape[1] % 2:
+        return None
+    half = table.shape[1] // 2
+    row = table[1].double()
+    recovered = torch.atan2(row[half:], row[:half])
+    for freq in (hint, recovered):
+        if freq is not None and freq.shape == recovered.shape and fits_table(table, freq):
+            return freq.detach().to(device=table.device, dtype=torch.float32)
+    return None
+
+
+def _module_frequencies(rotary: Any) -> torch.Tensor | None:
+    """The frequencies SGLang's module computes (``_compute_inv_freq``), or None."""
+    try:
+        return rotary._compute_inv_freq(rotary.base).detach()
+    except Exception:  # noqa: BLE001 - only a hint; the table is read either way
+        return None
+
+
 def rope_spec(rotary: Any, device: torch.device | str) -> RopeSpec:
     """The spec of an SGLang rotary module, its table copied to ``device`` in float32."""
     # The live buffer may have been cast to the activation dtype (bf16 on many servers);
@@ -82,21 +153,13 @@ def rope_spec(rotary: Any, device: torch.device | str) -> RopeSpec:
     if table.shape != rotary.cos_sin_cache.shape:
         table = rotary.cos_sin_cache
     table = table.detach().to(device=device, dtype=torch.float32).clone()
-    half = int(rotary.rotary_dim) // 2
     mscale = float(table[0, 0])  # cos(0) * m
     if not mscale > 0:
         raise UnsupportedRope("rotary table row 0 is not a scaled identity")
-    inv_freq = torch.atan2(table[1, half:], table[1, :half]) if table.shape[0] > 1 else None
-    if inv_freq is not None and (int(rotary.rotary_dim) != int(rotary.head_size) or mscale != 1.0):
-        inv_freq = None  # the kernels rotate whole heads with unit scale only
-    if inv_freq is not None:
-        pos = torch.arange(table.shape[0], device=device, dtype=torch.float64)
-        ang = pos[:, None] * inv_freq.double()[None, :]
-        rebuilt = torch.cat([ang.cos(), ang.sin()], dim=1).float()
-        # SGLang builds its table in fp32, which rounds angles by ~position * 6e-8; a
-        # wrong frequency is off by O(1) within a few hundred positions.
-        if not torch.allclose(rebuilt, table, atol=1e-3, rtol=0):
-            inv_freq = None
+    inv_freq = None
+    # The kernels rotate whole heads with unit scale only.
+    if int(rotary.rotary_dim) == int(rotary.head_size) and mscale == 1.0:
+        inv_freq = plain_frequencies(table, _module_frequencies(rotary))
     return RopeSpec(
         table,
         int(rotary.rotary_dim),

@@ -4,12 +4,14 @@ re-rotation, each for all layers or one; and the same over an SGLang token pool
 (``get_key_buffer`` / ``get_value_buffer``): read slots into a
 # [num_layers, 2, n, num_kv_heads, head_dim] tensor, write one in, rotate keys in place.
 
-CUDA kernels (``kernels/``) run when the tensors are on a GPU and the library loads
-(``cuda_status()``); the torch reference (``sgl_pic.ops.reference``) runs otherwise.
-Importing this package builds and loads nothing.
+CUDA kernels (``kernels/``) run when the tensors are on a GPU and ``prepare_cuda(device)``
+built, loaded and launch-tested them at start-up (``cuda_status()`` says why not); the
+torch reference (``sgl_pic.ops.reference``) runs otherwise. Importing this package, and
+running any op, builds and loads nothing.
 """
 
 from sgl_pic.ops.cuda import CudaStatus
+from sgl_pic.ops.cuda import prepare as prepare_cuda
 from sgl_pic.ops.cuda import status as cuda_status
 from sgl_pic.ops.dispatch import (
     apply_rope_kv,
@@ -44,6 +46,7 @@ __all__ = [
     "gather_kv",
     "gather_kv_layer",
     "pool_buffers",
+    "prepare_cuda",
     "read_pool_kv",
     "rerotate_kv",
     "rerotate_kv_layer",

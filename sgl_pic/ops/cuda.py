@@ -1,10 +1,14 @@
-"""Lazy loader of the CUDA kernels in ``kernels/`` and their launchers.
+"""Loader of the CUDA kernels in ``kernels/`` and their launchers.
 
-Nothing here runs at import. The first ``status()`` on a machine where torch sees a GPU
-builds ``kernels/*.cu`` with nvcc for the visible devices' architectures into a cache
-directory (once per source/flags/arch/nvcc combination; later processes reuse the
-file), loads it with ctypes and checks its ABI version. Any failure is recorded in the
-returned ``CudaStatus`` and the ops fall back to the torch reference.
+Nothing here runs at import, and nothing here builds inside a forward. ``prepare(device)``
+is the one entry that builds: called once per process at start-up (worker side, before
+serving), it builds ``kernels/*.cu`` with nvcc for the visible devices' architectures
+(``sgl_pic.ops.cuda_build``: once per machine and source/flags/arch/nvcc combination,
+into a cache directory later processes reuse), loads it with ctypes, checks its ABI
+version and runs each kernel once on the device against the torch reference. Any
+failure (build, load, ABI, launch error, wrong result), there or at a later launch,
+marks the kernels unavailable once, with the reason kept in ``status()``; the ops then
+run the torch reference and never try the kernels again.
 
 The library takes raw pointers: launchers pass ``tensor.data_ptr()`` and the current
 torch stream, so kernels are ordered with the surrounding torch work. It links CUDA's
@@ -15,37 +19,27 @@ makes torch's pointers and streams valid in it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
+import logging
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan
+from sgl_pic.ops import reference
+from sgl_pic.ops.cuda_build import DEFAULT_CACHE_DIR as DEFAULT_CACHE_DIR
+from sgl_pic.ops.cuda_build import KERNEL_DIR as KERNEL_DIR
+from sgl_pic.ops.cuda_build import build_library as build_library
+from sgl_pic.ops.cuda_build import find_nvcc as find_nvcc
+from sgl_pic.ops.cuda_build import nvcc_flags as nvcc_flags
+from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan, layers_of, plan_gather, plan_rope
+from sgl_pic.rope import default_inv_freq
+
+logger = logging.getLogger(__name__)
 
 
-def find_kernel_dir() -> Path:
-    """Where the CUDA sources are: ``sgl_pic/kernels`` inside an installed package (the
-    wheel ships them there, see pyproject.toml), else ``kernels/`` of the source checkout
-    this module runs from."""
-    here = Path(__file__).resolve()
-    packaged = here.parents[1] / "kernels"
-    if (packaged / "nvcc.flags").is_file():
-        return packaged
-    return here.parents[2] / "kernels"
-
-
-KERNEL_DIR = find_kernel_dir()
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "sgl_pic" / "kernels"
 ABI_VERSION = 1  # PIC_ABI_VERSION in kernels/sgl_pic_kernels.h
 MAX_HEAD_DIM = 1024  # kMaxHeadDim in kernels/rope.cu
-BUILD_TIMEOUT_S = 600
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _LAYOUT_CODES = {"neox": 0, "interleaved": 1}
@@ -59,71 +53,24 @@ class CudaStatus(NamedTuple):
     reason: str
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_status: CudaStatus | None = None
+class KernelError(RuntimeError):
+    """The kernels cannot run: unavailable, or a launch returned an error (which marks
+    them unavailable for the rest of the process)."""
 
 
-def find_nvcc() -> Path | None:
-    for candidate in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
+class _Kernels:
+    """The process's kernel library: its status, the loaded library and the devices its
+    launch test passed on. Changed only under ``lock``, by ``prepare``, ``load`` and a
+    failed launch."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lib: ctypes.CDLL | None = None
+        self.status: CudaStatus | None = None  # None until prepared
+        self.tested: set[torch.device] = set()
 
 
-def nvcc_flags(kernel_dir: Path = KERNEL_DIR) -> list[str]:
-    """The flags kernels/compile_check.sh uses too, from kernels/nvcc.flags."""
-    lines = (kernel_dir / "nvcc.flags").read_text().splitlines()
-    return [line.strip() for line in lines if line.strip()]
-
-
-def build_library(
-    out_dir: Path,
-    archs: Sequence[str],
-    nvcc: Path | None = None,
-    kernel_dir: Path = KERNEL_DIR,
-) -> Path:
-    """Builds (or finds already built) the kernel library for ``archs`` ("80", "90").
-
-    The file name carries a hash of the sources, flags, archs and nvcc version, so a
-    stale library is never loaded. Raises RuntimeError when nvcc fails.
-    """
-    nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found on PATH or at /usr/local/cuda/bin/nvcc")
-    sources = sorted(kernel_dir.glob("*.cu"))
-    if not sources:
-        raise RuntimeError(f"no CUDA sources under {kernel_dir}")
-    flags = nvcc_flags(kernel_dir)
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in sorted(set(archs))]
-    version = subprocess.run(
-        [str(nvcc), "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    digest = hashlib.sha256()
-    for path in sorted([*sources, *kernel_dir.glob("*.cuh"), *kernel_dir.glob("*.h")]):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update("\0".join([*flags, *gencode, version]).encode())
-    lib = out_dir / f"libsgl_pic_kernels-{digest.hexdigest()[:16]}.so"
-    if lib.is_file():
-        return lib
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so concurrent processes never load half a file.
-    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    cmd = [str(nvcc), *flags, *gencode, f"-I{kernel_dir}", "-shared", *map(str, sources)]
-    cmd += ["-o", tmp_name]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
-            )
-        os.replace(tmp_name, lib)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-    return lib
+_KERNELS = _Kernels()
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -150,42 +97,165 @@ def open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _visible_archs() -> list[str]:
+    return sorted(
+        {
+            "{}{}".format(*torch.cuda.get_device_capability(d))
+            for d in range(torch.cuda.device_count())
+        }
+    )
+
+
+def _fail_locked(library: Path | None, reason: str) -> CudaStatus:
+    """Marks the kernels unavailable for good (holding ``_KERNELS.lock``) and says why, in
+    one line: called once per process, as nothing retries them afterwards."""
+    _KERNELS.lib = None
+    _KERNELS.tested.clear()
+    _KERNELS.status = CudaStatus(False, library, reason)
+    logger.warning("sgl_pic: CUDA kernels unavailable, KV ops run in torch: %s", reason)
+    return _KERNELS.status
+
+
+def _load_locked(library: Path | None, cache_dir: Path) -> ctypes.CDLL | None:
+    """Builds (when ``library`` is None) and opens the library, holding the lock; the
+    kernels stay unavailable until ``_ready_locked`` has tested them. None, with the
+    failure recorded, when it cannot be loaded."""
+    _KERNELS.lib = None
+    _KERNELS.tested.clear()
+    _KERNELS.status = None
+    if not torch.cuda.is_available():
+        _fail_locked(library, "torch sees no CUDA device")
+        return None
+    try:
+        if library is None:
+            if not KERNEL_DIR.is_dir():
+                raise RuntimeError(f"kernel sources not found at {KERNEL_DIR}")
+            library = build_library(cache_dir, _visible_archs())
+        lib = open_library(library)
+    except Exception as exc:  # noqa: BLE001 - any failure leaves torch serving
+        _fail_locked(library, f"{type(exc).__name__}: {exc}")
+        return None
+    _KERNELS.status = CudaStatus(False, library, "loaded, launch test not run yet")
+    return lib
+
+
+def _ready_locked(lib: ctypes.CDLL, device: torch.device) -> CudaStatus:
+    """Runs ``launch_test`` of ``lib`` on ``device``, holding the lock; the kernels are
+    available once it passes, unavailable for good when it fails."""
+    state = _KERNELS.status
+    library = None if state is None else state.library
+    try:
+        with torch.cuda.device(device):
+            launch_test(lib, device)
+    except Exception as exc:  # noqa: BLE001 - build, ABI or driver: never trust them
+        return _fail_locked(library, f"launch test on {device}: {type(exc).__name__}: {exc}")
+    _KERNELS.tested.add(device)
+    tested = ", ".join(sorted(str(d) for d in _KERNELS.tested))
+    _KERNELS.status = CudaStatus(True, library, f"loaded; launch test passed on {tested}")
+    _KERNELS.lib = lib
+    logger.info("sgl_pic: CUDA kernels ready on %s (%s)", device, library)
+    return _KERNELS.status
+
+
+def prepare(device: torch.device) -> CudaStatus:
+    """Makes the kernels ready for ``device`` or marks them unavailable; never raises.
+
+    Called at start-up, worker side, once per process before the first forward (ops never
+    build): on a CUDA device it builds or finds the library, loads it and runs
+    ``launch_test`` there. Later calls return the recorded status, running the launch
+    test once more only for a device not yet tested; a failure is final for the process.
+    A non-CUDA device gets an unavailable status and builds nothing."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CudaStatus(False, None, f"{device} is not a CUDA device; nothing built")
+    with _KERNELS.lock:
+        lib = _KERNELS.lib
+        if _KERNELS.status is None:
+            lib = _load_locked(None, DEFAULT_CACHE_DIR)
+        if lib is None:
+            assert _KERNELS.status is not None
+            return _KERNELS.status
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device in _KERNELS.tested and _KERNELS.status is not None:
+            return _KERNELS.status
+        return _ready_locked(lib, device)
+
+
 def load(library: Path | None = None, cache_dir: Path = DEFAULT_CACHE_DIR) -> CudaStatus:
-    """(Re)loads the kernels: ``library`` if given (e.g. from compile_check.sh), else the
-    cached build for the visible GPUs, building it first when missing. Never raises."""
-    global _lib, _status
-    with _lock:
-        _lib = None
-        if not torch.cuda.is_available():
-            _status = CudaStatus(False, library, "torch sees no CUDA device")
-            return _status
-        try:
-            if library is None:
-                if not KERNEL_DIR.is_dir():
-                    raise RuntimeError(f"kernel sources not found at {KERNEL_DIR}")
-                archs = {
-                    "{}{}".format(*torch.cuda.get_device_capability(d))
-                    for d in range(torch.cuda.device_count())
-                }
-                library = build_library(cache_dir, sorted(archs))
-            _lib = open_library(library)
-            _status = CudaStatus(True, library, "loaded")
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _status = CudaStatus(False, library, f"{type(exc).__name__}: {exc}")
-        return _status
+    """Reloads the kernels for tools (e.g. compile_check.sh's ``library``; else the cached
+    build for the visible GPUs, building it when missing), forgetting any earlier status,
+    and runs ``launch_test`` on the current CUDA device. Never raises."""
+    with _KERNELS.lock:
+        lib = _load_locked(library, cache_dir)
+        if lib is None:
+            assert _KERNELS.status is not None
+            return _KERNELS.status
+        return _ready_locked(lib, torch.device("cuda", torch.cuda.current_device()))
 
 
 def status() -> CudaStatus:
-    """The kernels' status, loading them on first call."""
-    return _status if _status is not None else load()
+    """The kernels' status; builds and loads nothing. Before ``prepare``, unavailable."""
+    state = _KERNELS.status
+    if state is not None:
+        return state
+    if not torch.cuda.is_available():
+        return CudaStatus(False, None, "torch sees no CUDA device")
+    return CudaStatus(False, None, "not prepared: sgl_pic.ops.cuda.prepare(device) not called")
 
 
 def require() -> ctypes.CDLL:
-    """The loaded library; RuntimeError with the reason when the kernels can't run."""
-    state = status()
-    if _lib is None:
-        raise RuntimeError(f"sgl-pic CUDA kernels unavailable: {state.reason}")
-    return _lib
+    """The loaded library; KernelError with the reason when the kernels can't run."""
+    lib = _KERNELS.lib
+    if lib is None:
+        raise KernelError(f"sgl-pic CUDA kernels unavailable: {status().reason}")
+    return lib
+
+
+def _fail(reason: str) -> None:
+    """A launch failed in service: the kernels are unavailable from now on."""
+    with _KERNELS.lock:
+        state = _KERNELS.status
+        if state is not None and state.available:
+            _fail_locked(state.library, reason)
+
+
+def launch_test(lib: ctypes.CDLL, device: torch.device) -> None:
+    """Runs each kernel of ``lib`` once on ``device`` on a few rows (copies into a stacked
+    buffer and into per-layer tensors; deferred RoPE and re-rotation, one per layout) and
+    compares with the torch reference. Raises KernelError for a launch error or a wrong
+    result (torch's own error for a fault found at the sync). Changes nothing outside
+    its own tensors; takes a few milliseconds."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    src = rand(2, 8, 2, 64, dtype=torch.bfloat16)  # [num_layers, rows, heads, head_dim]
+    pool = rand(2, 16, 2, 64, dtype=torch.bfloat16)
+    tokens = torch.tensor([5, 0, 7], device=device)
+    slots = torch.tensor([3, 15, 8], device=device)
+    for name, dst in (("stacked", pool.clone()), ("per-layer", list(pool.clone().unbind(0)))):
+        want = pool.clone()
+        reference.run_copy(plan_gather(src, tokens, want, slots))
+        _launch_copy(lib, plan_gather(src, tokens, dst, slots))
+        torch.cuda.synchronize(device)
+        got = dst if isinstance(dst, torch.Tensor) else torch.stack(dst)
+        if not torch.equal(got, want):
+            raise KernelError(f"pic_copy_rows ({name}) disagrees with the torch reference")
+
+    keys = rand(2, 16, 2, 64, dtype=torch.float32)
+    inv_freq = default_inv_freq(64, 1e4, device=device)
+    positions = torch.tensor([3, 70000, 9], device=device)
+    old = torch.tensor([100, 2, 9], device=device)
+    for layout, old_positions, scale in (("neox", None, 0.9), ("interleaved", old, 1.0)):
+        want, got = keys.clone(), keys.clone()
+        for out, run in ((want, reference.run_rope), (got, lambda p: _launch_rope(lib, p))):
+            target = layers_of(out, "keys")
+            run(plan_rope(target, positions, old_positions, inv_freq, layout, scale, slots))
+        torch.cuda.synchronize(device)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            raise KernelError(f"pic_rope_rows ({layout}) disagrees with the torch reference")
 
 
 def _alignment(*values: int) -> int:
@@ -220,7 +290,7 @@ def _layer_addressing(layers: Layers) -> tuple[int, int, int, list[int]]:
 
 def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
     if code != 0:
-        raise RuntimeError(f"{what}: {lib.pic_error_string(code).decode()} (code {code})")
+        raise KernelError(f"{what}: {lib.pic_error_string(code).decode()} (code {code})")
 
 
 def can_copy(plan: CopyPlan) -> bool:
@@ -247,8 +317,29 @@ def can_rope(plan: RopePlan) -> bool:
 
 
 def run_copy(plan: CopyPlan) -> None:
-    """Executes a validated copy plan (``can_copy(plan)``) on the current stream."""
+    """Executes a validated copy plan (``can_copy(plan)``) on the current stream.
+    KernelError when the kernels are unavailable or the launch fails (which marks them
+    unavailable); the destination is then unchanged."""
     lib = require()
+    try:
+        _launch_copy(lib, plan)
+    except KernelError as exc:
+        _fail(str(exc))
+        raise
+
+
+def run_rope(plan: RopePlan) -> None:
+    """Executes a validated RoPE plan (``can_rope(plan)``) on the current stream, like
+    ``run_copy``."""
+    lib = require()
+    try:
+        _launch_rope(lib, plan)
+    except KernelError as exc:
+        _fail(str(exc))
+        raise
+
+
+def _launch_copy(lib: ctypes.CDLL, plan: CopyPlan) -> None:
     n = plan.dst_ids.numel()
     if n == 0:
         return
@@ -282,9 +373,7 @@ def run_copy(plan: CopyPlan) -> None:
     _check(lib, code, "pic_copy_rows")
 
 
-def run_rope(plan: RopePlan) -> None:
-    """Executes a validated RoPE plan (``can_rope(plan)``) on the current stream."""
-    lib = require()
+def _launch_rope(lib: ctypes.CDLL, plan: RopePlan) -> None:
     n = plan.positions.numel()
     if n == 0:
         return

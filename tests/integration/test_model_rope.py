@@ -13,9 +13,11 @@ from sgl_pic.integration.model_rope import (
     ModelRope,
     UnsupportedRope,
     find_rotary,
+    fits_table,
+    plain_frequencies,
     rope_spec,
 )
-from sgl_pic.rope import default_inv_freq
+from sgl_pic.rope import apply_rope, default_inv_freq
 
 pytestmark = pytest.mark.sglang
 
@@ -129,3 +131,74 @@ def test_a_bf16_buffer_is_rebuilt_in_fp32() -> None:
     rope.cos_sin_cache = rope.cos_sin_cache.to(torch.bfloat16)
     spec = rope_spec(find_rotary(torch.nn.Sequential(rope)), "cpu")
     assert torch.equal(spec.cos_sin, exact.cos_sin) and spec.inv_freq is not None
+
+
+# Llama-3.1's scaling (131,072 positions from an 8,192-position original).
+LLAMA31 = {**LLAMA3, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize(
+    ("positions", "theta", "scaling"),
+    [
+        pytest.param(8192, 1e4, None, id="8k-theta1e4"),
+        pytest.param(32768, 1e6, None, id="32k-theta1e6"),
+        pytest.param(131072, 5e5, None, id="131k-theta5e5"),
+        pytest.param(131072, 5e5, LLAMA31, id="131k-llama3"),
+    ],
+)
+def test_long_context_tables_keep_their_frequencies(
+    positions: int, theta: float, scaling: Any
+) -> None:
+    # SGLang's fp32 table drifts from exact cos/sin by ~p * f * 6e-8 (1e-2 at 131k): still
+    # plain RoPE, so the kernels and the host/disk tiers keep their frequencies.
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    head = 128
+    rope = get_rope(head, head, positions, int(theta), True, scaling, torch.float32)
+    spec = rope_spec(find_rotary(torch.nn.Sequential(rope)), "cpu")
+    assert spec.inv_freq is not None
+    # The module's own fp32 frequencies, Llama-3 scaling included.
+    assert torch.equal(spec.inv_freq, rope._compute_inv_freq(rope.base).float())
+    # What the tiers do with them (rotate pre-RoPE keys by float64 angles) lands where
+    # SGLang's module puts the key, up to the model's own fp32 angle rounding.
+    g = torch.Generator().manual_seed(1)
+    pre = torch.randn(4, 1, head, generator=g)
+    pos = torch.tensor([0, 7, positions // 2 + 3, positions - 1])
+    q = torch.zeros(4, head)
+    _, at = rope.forward_native(pos, q, pre.reshape(4, head).clone())
+    ours = apply_rope(pre, pos, spec.inv_freq)
+    bound = 4 * float(pos.max()) * 6e-8 * float(pre.abs().max()) + 1e-5
+    torch.testing.assert_close(ours.reshape(4, head), at, atol=bound, rtol=0)
+
+
+def test_a_wrong_theta_does_not_fit_a_long_table() -> None:
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    rope = get_rope(128, 128, 32768, 1000000, True, None, torch.float32)
+    table = rope_spec(rope, "cpu").cos_sin
+    assert fits_table(table, default_inv_freq(128, 1e6))
+    for theta in (1e6 * (1 + 1e-4), 1e6 * (1 - 1e-4), 5e5, 1e4):
+        assert not fits_table(table, default_inv_freq(128, theta)), theta
+    # A module whose base disagrees with its table: the table is what the model rotates
+    # by, so its frequencies are the ones kept, not the base's.
+    wrong = default_inv_freq(128, 5e5)
+    got = plain_frequencies(table, hint=wrong)
+    assert got is not None and not torch.allclose(got, wrong)
+    torch.testing.assert_close(got, default_inv_freq(128, 1e6), rtol=2e-7, atol=0)
+
+
+def test_a_table_that_switches_frequencies_has_none() -> None:
+    # Rows past 4,096 from another theta (LongRoPE's short/long switch is of this kind):
+    # no one frequency fits, so the kernels and the tiers must not claim one.
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    class Switched(RotaryEmbedding):
+        def _compute_cos_sin_cache(self) -> torch.Tensor:
+            short = ModelRope.plain(default_inv_freq(HEAD, 1e4), 4096).spec.cos_sin
+            long = ModelRope.plain(default_inv_freq(HEAD, 1.1e4), 16384).spec.cos_sin
+            return torch.cat([short, long[4096:]])
+
+    rope = Switched(HEAD, HEAD, 16384, 10000, True, torch.float32)
+    spec = rope_spec(rope, "cpu")
+    assert spec.inv_freq is None and spec.cos_sin.shape == (16384, HEAD)
+    assert plain_frequencies(spec.cos_sin[:4096]) is not None

@@ -28,7 +28,11 @@ ROW_SHAPES = [(3, 64), (8, 128), (1, 6), (1, 2), (8, 512)]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels_loaded() -> None:
-    cuda.require()  # builds on first use; a failure here is a test failure, not a skip
+    # Builds, loads and launch-tests once per process, as a server's start-up does; a
+    # failure here is a test failure, not a skip.
+    state = cuda.prepare(torch.device(DEV))
+    assert state.available, state.reason
+    cuda.require()
 
 
 def _rope_close(got: torch.Tensor, expected: torch.Tensor) -> None:

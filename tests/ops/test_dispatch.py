@@ -1,7 +1,9 @@
-"""The public ops: backend choice, and results equal to the reference on CPU tensors."""
+"""The public ops: backend choice, results equal to the reference on CPU tensors, and
+the fallbacks to torch on a GPU (faked) whose kernels were not prepared or fail."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -10,8 +12,9 @@ import pytest
 import torch
 
 import sgl_pic.ops as ops
-from sgl_pic.ops import reference
+from sgl_pic.ops import cuda, reference
 from sgl_pic.rope import default_inv_freq
+from tests.ops.fake_cuda import INSUFFICIENT_DRIVER, FakeLib, fake_gpu
 
 
 def test_cpu_tensors_run_the_reference(rand_kv, distinct, gen) -> None:
@@ -43,7 +46,8 @@ def test_cuda_status_is_a_reason_not_an_error() -> None:
 def test_import_needs_no_nvcc_and_builds_nothing() -> None:
     code = (
         "import sgl_pic, sgl_pic.ops, sgl_pic.ops.cuda as c; "
-        "assert c._status is None and c._lib is None"
+        "assert c._KERNELS.status is None and c._KERNELS.lib is None; "
+        "assert not c.status().available"
     )
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -81,3 +85,64 @@ def test_errors_name_the_arguments_as_written(rand_kv) -> None:
             module.rerotate_kv_layer(k[0], short, ok, inv_freq)
         with pytest.raises(ValueError, match="^positions"):
             module.apply_rope_kv(k, short, inv_freq)
+
+
+def _gather_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    src, pool = torch.randn(2, 8, 2, 64, generator=g), torch.randn(2, 16, 2, 64, generator=g)
+    return src, torch.tensor([1, 6, 2]), pool, torch.tensor([3, 4, 12])
+
+
+def _as_if_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU tensors stand in for device ones: the ops ask cuda whether the kernels take them.
+    monkeypatch.setattr(cuda, "can_copy", lambda plan: True)
+    monkeypatch.setattr(cuda, "can_rope", lambda plan: True)
+
+
+def test_gpu_ops_before_prepare_run_torch_and_build_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    builds = fake_gpu(monkeypatch, FakeLib())
+    _as_if_on_the_gpu(monkeypatch)
+    src, tokens, pool, slots = _gather_case()
+    expected = pool.clone()
+    reference.gather_kv(src, tokens, expected, slots)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert ops.gather_kv(src, tokens, pool, slots).backend == "reference"
+            k = pool.clone()
+            assert ops.apply_rope_kv(k, torch.arange(16), default_inv_freq(64, 1e4)).backend == (
+                "reference"
+            )
+    assert torch.equal(pool, expected)
+    assert builds == []
+    said = [r.getMessage() for r in caplog.records if "not prepared" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_a_failing_launch_falls_back_once_and_is_not_retried(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    lib = FakeLib(code=INSUFFICIENT_DRIVER)
+    fake_gpu(monkeypatch, lib)
+    monkeypatch.setattr(cuda, "launch_test", lambda lib, device: None)
+    assert cuda.prepare(torch.device("cuda", 0)).available  # as if the test had passed
+    _as_if_on_the_gpu(monkeypatch)
+    src, tokens, pool, slots = _gather_case()
+    expected = pool.clone()
+    reference.gather_kv(src, tokens, expected, slots)
+    with caplog.at_level(logging.WARNING):
+        assert ops.gather_kv(src, tokens, pool, slots) == ops.OpResult("reference")
+        assert torch.equal(pool, expected)  # the op still happened, by torch
+        state = ops.cuda_status()
+        assert not state.available and "driver version is insufficient" in state.reason
+        k = pool.clone()
+        assert ops.apply_rope_kv(k, torch.arange(16), default_inv_freq(64, 1e4)).backend == (
+            "reference"
+        )
+        assert ops.gather_kv(src, tokens, pool, slots).backend == "reference"
+    assert lib.launches == ["copy"]  # tried once, never again
+    errors = [r for r in caplog.records if r.exc_info is not None]
+    assert errors == []  # a reason in one line, no traceback
+    said = [r.getMessage() for r in caplog.records if "insufficient" in r.getMessage()]
+    assert len(said) == 2, said  # cuda marks them unavailable; the ops say they fall back
