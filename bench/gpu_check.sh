@@ -98,8 +98,8 @@ fi
 
 echo "== kernels: build for this GPU through the Python loader"
 timeout "$(left 240)" "$PY" -c "
-import sys, sgl_pic.ops.cuda as c
-s = c.status()
+import sys, torch, sgl_pic.ops.cuda as c
+s = c.prepare(torch.device('cuda'))
 print(s)
 sys.exit(0 if s.available else 1)" 2>&1 | tee "$OUT/build.log"
 rc_build=${PIPESTATUS[0]}

@@ -250,7 +250,9 @@ def check_kv_access(device: str) -> dict[str, Any]:
     kv = torch.randn(LAYERS, 2, 64, HEADS, DIM, generator=gen)
     for pool in (cpu, dev):
         access = KVAccess(pool, LAYERS, ModelRope.plain(inv_freq))
-        access.write_rotated(slots.to(pool.k[0].device), kv.to(pool.k[0].device), start=1000)
+        # write_rotated rotates the keys it is given in place: each pool gets its own copy.
+        own = kv.to(pool.k[0].device, copy=True)
+        access.write_rotated(slots.to(pool.k[0].device), own, start=1000)
         access.write_layer(2, slots[:8], kv[2, 0, :8], kv[2, 1, :8])
     (ck, cv), (dk, dv) = cpu.snapshot(), dev.snapshot()
     read = KVAccess(dev, LAYERS, ModelRope.plain(inv_freq)).read(slots.to(device)).cpu()
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_serving_ops: no CUDA device (torch.cuda.is_available() is False)")
         return 3
     device = "cuda" if has_cuda and not args.cpu_dry_run else "cpu"
+    if device == "cuda":
+        ops.prepare_cuda(torch.device("cuda"))  # as the server does at start-up
     summary: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,

@@ -243,6 +243,8 @@ def main() -> int:
         tokens, label = CPU_TOKENS, "CPU REFERENCE TIMINGS ONLY (torch; no CUDA on this machine)"
     if args.max_tokens is not None:
         tokens = tuple(t for t in tokens if t <= args.max_tokens)
+    if device.type == "cuda":
+        ops.prepare_cuda(device)  # built and launch-tested here, as the server does at start-up
     print(f"device: {name} | {label} | cuda: {ops.cuda_status()}")
 
     correctness = check_correctness(device, gen)

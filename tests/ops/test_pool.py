@@ -124,6 +124,9 @@ needs_cuda = pytest.mark.skipif(
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_pool_ops_match_the_cpu_result(rand_kv, distinct, gen, dtype) -> None:
+    from sgl_pic.ops import cuda
+
+    assert cuda.prepare(torch.device("cuda")).available  # the server prepares them at start-up
     k, v = rand_kv(L, SLOTS, H, D, dtype=dtype), rand_kv(L, SLOTS, H, D, dtype=dtype)
     cpu, gpu = ToyPool(k, v), ToyPool(k.cuda(), v.cuda())
     slots = distinct(11, SLOTS)
