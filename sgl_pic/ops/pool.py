@@ -13,6 +13,7 @@ check is one host read per call, so call these once per request, not once per la
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -39,6 +40,22 @@ def pool_buffers(pool: KVPool, num_layers: int) -> tuple[list[torch.Tensor], lis
     keys = [pool.get_key_buffer(i) for i in range(num_layers)]
     values = [pool.get_value_buffer(i) for i in range(num_layers)]
     return keys, values
+
+
+def check_slots(
+    slots: Sequence[tuple[torch.Tensor, str]],  # each (# [n] int32/int64, its name)
+    num_slots: int,
+) -> None:
+    """Raises ValueError unless every slot lies in [0, num_slots): one host read for all
+    the tensors (a device sync when they are on a GPU), so a caller that indexes the pool
+    with torch's own ops afterwards checks once, not once per op."""
+    slots = [(s, name) for s, name in slots if s.numel() > 0]
+    if not slots:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(s)) for s, _ in slots]).tolist()
+    for (lo, hi), (_, name) in zip(bounds, slots, strict=True):
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"{name} out of range: values in [{lo}, {hi}], valid [0, {num_slots})")
 
 
 def read_pool_kv(
