@@ -87,17 +87,21 @@ def write_pool_kv(
     """Pool K and V at ``slots`` = ``kv[:, 0]`` and ``kv[:, 1]``, every layer. ``kv`` may
     be on the pool's device or in host memory (pinned: read by the kernel directly); a
     dtype other than the pool's is cast first (one copy). The pool is written when the
-    current stream reaches the copy."""
+    current stream reaches the copy. One copy of 2 * num_layers buffers (K0, V0, K1, ...),
+    so the slots are checked once (one host read), not once for K and once for V."""
     keys, values = pool_buffers(pool, num_layers)
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(
             f"kv must be # [num_layers, 2, n, num_kv_heads, head_dim], got {tuple(kv.shape)}"
         )
+    if kv.shape[0] != num_layers:
+        raise ValueError(f"kv has {kv.shape[0]} layers but {num_layers} are written")
     if kv.dtype != keys[0].dtype:
         kv = kv.to(keys[0].dtype)
-    result = dispatch.scatter_kv(kv[:, 0], keys, slots)
-    dispatch.scatter_kv(kv[:, 1], values, slots)
-    return result
+    buffers = [b for pair in zip(keys, values, strict=True) for b in pair]
+    # [2 * num_layers, n, ...] in the buffers' order: a view (K and V of a layer sit one
+    # # [n, num_kv_heads, head_dim] block apart, whatever rows ``kv`` was sliced to).
+    return dispatch.scatter_kv(kv.flatten(0, 1), buffers, slots)
 
 
 def rotate_pool_keys(
