@@ -93,9 +93,11 @@ def slice_runs(
 class KVAccess:
     """pool: SGLang's MHATokenToKVPool (get_key_buffer / get_value_buffer per layer).
     rope: the model's own rotation (``model_rope``). Every tensor made here lives on the
-    pool's device. Copies and rotations go through ``sgl_pic.ops`` (the CUDA kernels when
-    the pool is on a GPU, the torch reference otherwise); a rotary table that is not plain
-    whole-head RoPE (partial rotary, attention scaling) rotates through the table."""
+    pool's device. Writes and rotations go through ``sgl_pic.ops`` (the CUDA kernels when
+    the pool is on a GPU, the torch reference otherwise), except ``copy_rotated``'s pool to
+    pool copies (torch's index ops, one layer and piece at a time, slots checked once); a
+    rotary table that is not plain whole-head RoPE (partial rotary, attention scaling)
+    rotates through the table."""
 
     def __init__(
         self, pool: Any, num_layers: int, rope: ModelRope, staging_bytes: int = STAGING_BYTES
