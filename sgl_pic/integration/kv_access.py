@@ -9,7 +9,14 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_pic.integration.model_rope import ModelRope
-from sgl_pic.ops import apply_rope_kv, read_pool_kv, rotated_keys, write_pool_kv
+from sgl_pic.ops import (
+    apply_rope_kv,
+    apply_rope_kv_layer,
+    read_pool_kv,
+    rotated_keys,
+    write_pool_kv,
+)
+from sgl_pic.ops.pool import check_slots
 from sgl_pic.rope import rope_cos_sin, rotate_with
 
 
@@ -27,6 +34,13 @@ def single_thread() -> Iterator[None]:
 
 
 SLICE_ROWS = 16
+# Most ``copy_rotated`` stages at once (rows of one layer and their rotation's working
+# copies), whatever a batch reuses: memory outside SGLang's budget for the pool.
+STAGING_BYTES = 64 << 20
+# Bytes ``copy_rotated`` stages per row of one layer, in units of a float32 row of K:
+# the gathered K (at most float32), the rotation's float32 result, its cast back, the
+# gathered V, and a row of angles (cos and sin, head_dim floats in all).
+STAGED_ROWS_PER_ROW = 5
 
 
 class SliceRun(NamedTuple):
@@ -51,9 +65,11 @@ def slice_runs(
     dst: torch.Tensor,  # [n] int64
     delta: torch.Tensor,  # [n] int64
     min_rows: int,
+    max_rows: int | None = None,
 ) -> SliceRuns:
     """Maximal runs of rows whose source and destination slots both go up by one with one
-    ``delta``; those of at least ``min_rows`` rows become ``SliceRun``s."""
+    ``delta``; those of at least ``min_rows`` rows become ``SliceRun``s, cut into runs of
+    at most ``max_rows`` rows (None: uncut). Reads the indices on the host."""
     n = src.numel()
     if n == 0:
         return SliceRuns([], src.new_empty(0))
@@ -65,7 +81,10 @@ def slice_runs(
     src_l, dst_l, delta_l = src[starts].tolist(), dst[starts].tolist(), delta[starts].tolist()
     for i, (a, z) in enumerate(zip(starts, ends, strict=True)):
         if z - a >= min_rows:
-            runs.append(SliceRun(src_l[i], dst_l[i], z - a, delta_l[i]))
+            step = z - a if max_rows is None else max_rows
+            for o in range(0, z - a, step):
+                rows = min(step, z - a - o)
+                runs.append(SliceRun(src_l[i] + o, dst_l[i] + o, rows, delta_l[i]))
         else:
             rest.append(torch.arange(a, z, device=src.device))
     return SliceRuns(runs, torch.cat(rest) if rest else src.new_empty(0))
@@ -74,15 +93,27 @@ def slice_runs(
 class KVAccess:
     """pool: SGLang's MHATokenToKVPool (get_key_buffer / get_value_buffer per layer).
     rope: the model's own rotation (``model_rope``). Every tensor made here lives on the
-    pool's device. Copies and rotations go through ``sgl_pic.ops`` (the CUDA kernels when
-    the pool is on a GPU, the torch reference otherwise); a rotary table that is not plain
-    whole-head RoPE (partial rotary, attention scaling) rotates through the table."""
+    pool's device. Writes and rotations go through ``sgl_pic.ops`` (the CUDA kernels when
+    the pool is on a GPU, the torch reference otherwise), except ``copy_rotated``'s pool to
+    pool copies (torch's index ops, one layer and piece at a time, slots checked once); a
+    rotary table that is not plain whole-head RoPE (partial rotary, attention scaling)
+    rotates through the table."""
 
-    def __init__(self, pool: Any, num_layers: int, rope: ModelRope) -> None:
+    def __init__(
+        self, pool: Any, num_layers: int, rope: ModelRope, staging_bytes: int = STAGING_BYTES
+    ) -> None:
         self.pool = pool
         self.num_layers = num_layers
         self.rope = rope
-        self.device = pool.get_key_buffer(0).device
+        first = pool.get_key_buffer(0)
+        self.device = first.device
+        if staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be >= 1, got {staging_bytes}")
+        self.staging_bytes = staging_bytes
+        # Rows ``copy_rotated`` moves at once, so that what it stages stays within
+        # ``staging_bytes`` (at least one row).
+        per_row = STAGED_ROWS_PER_ROW * first[0].numel() * 4
+        self.piece_rows = max(1, staging_bytes // per_row)
         # How ``copy_rotated`` runs: layer by layer on the CPU (see there), through the
         # ops' all-layer kernels elsewhere.
         self.per_layer_copies = self.device.type == "cpu"
@@ -116,36 +147,70 @@ class KVAccess:
     ) -> None:
         """Pool K/V at ``dst`` = those at ``src``, keys moved by ``delta``; ``src`` is only
         read, so a chunk node's KV stays as stored. Copies every device hit of a batch in
-        one call. On the CPU it runs one layer at a time, so that a layer's rows stay in
-        cache from read to write, where ``read``, a rotation of every layer's keys and the
-        write each stream all layers through memory (``bench/assembly.py`` times both).
-        There, rows that run over consecutive slots on both sides with one ``delta`` (a
-        chunk node's segment into the request's own slots, as a rule) are copied slice to
-        slice, keys rotated straight into their new rows; the rest are gathered and
-        scattered."""
+        one call, layer by layer and ``piece_rows`` rows at a time: the rows it stages (and
+        the rotation's working copies) stay within ``staging_bytes`` however many tokens
+        the batch reuses, since the pool already holds most of the device's memory
+        (SGLang's ``mem_fraction_static``). Slots are checked against the pool once (one
+        host read); nothing else here waits for the device.
+
+        On the CPU, a layer's rows stay in cache from read to write (``bench/assembly.py``),
+        and rows that run over consecutive slots on both sides with one ``delta`` (a chunk
+        node's segment into the request's own slots, as a rule) are copied slice to slice,
+        keys rotated straight into their new rows; finding those runs reads the indices
+        on the host, which on a device would be a sync per batch, so there every row is
+        gathered and scattered."""
         src = src.to(self.device, torch.int64)
         dst = dst.to(self.device, torch.int64)
         delta = delta.to(self.device, torch.int64)
-        if not self.per_layer_copies:
-            kv = self.read(src)
-            self._rotate_in_place(kv[:, 0], delta)
-            write_pool_kv(self.pool, self.num_layers, dst, kv)
+        if src.numel() == 0:
             return
-        runs, rest = slice_runs(src, dst, delta, self.slice_rows)
+        rows = self.pool.get_key_buffer(0).shape[0]
+        check_slots(((src, "src"), (dst, "dst")), rows)
+        if self.per_layer_copies:
+            runs, rest = slice_runs(src, dst, delta, self.slice_rows, self.piece_rows)
+            self._copy_runs(runs)
+            src, dst, delta = src[rest], dst[rest], delta[rest]
         spec = self.rope.spec
-        rest_src, rest_dst, rest_delta = src[rest], dst[rest], delta[rest]
+        inv_freq = None if spec.inv_freq is None else spec.inv_freq.to(self.device)
+        for at in range(0, src.numel(), self.piece_rows):
+            s, d = src[at : at + self.piece_rows], dst[at : at + self.piece_rows]
+            shift = delta[at : at + self.piece_rows]
+            # On the CPU each piece's angles are made once for every layer; elsewhere the
+            # ops' kernel rotates the staged keys in place.
+            angles = (
+                rope_cos_sin(shift, inv_freq)
+                if inv_freq is not None and self.per_layer_copies
+                else None
+            )
+            for layer in range(self.num_layers):
+                kb = self.pool.get_key_buffer(layer)
+                vb = self.pool.get_value_buffer(layer)
+                k = kb.index_select(0, s)
+                if inv_freq is None:
+                    k = self.rope.rotate(k, shift)
+                elif angles is not None:
+                    k = rotate_with(k, *angles, spec.layout)
+                else:
+                    apply_rope_kv_layer(k, shift, inv_freq, spec.layout)
+                kb.index_copy_(0, d, k.to(kb.dtype))
+                del k
+                vb.index_copy_(0, d, vb.index_select(0, s))
+
+    def _copy_runs(self, runs: list[SliceRun]) -> None:
+        """``copy_rotated``'s runs, slice to slice in each layer (CPU pools only)."""
+        if not runs:
+            return
+        spec = self.rope.spec
         # Each run's rotation, made once for every layer: the per-run work in the layer
         # loop is what a batch of small hits pays for.
         run_shifts: list[torch.Tensor] = []  # [rows] each, without a plain RoPE
         run_angles: list[tuple[torch.Tensor, torch.Tensor]] = []  # [1, head_dim // 2] each
         if spec.inv_freq is None:
-            rest_angles = None
-            run_shifts = [delta.new_full((r.rows,), r.delta) for r in runs]
+            run_shifts = [torch.full((r.rows,), r.delta, device=self.device) for r in runs]
         else:
             shifts = torch.tensor([r.delta for r in runs], device=self.device)
             cos_all, sin_all = rope_cos_sin(shifts, spec.inv_freq)
             run_angles = [(cos_all[i : i + 1], sin_all[i : i + 1]) for i in range(len(runs))]
-            rest_angles = rope_cos_sin(rest_delta, spec.inv_freq)
         for layer in range(self.num_layers):
             kb = self.pool.get_key_buffer(layer)
             vb = self.pool.get_value_buffer(layer)
@@ -160,14 +225,6 @@ class KVAccess:
                     rotate_with(kb[s], cos, sin, spec.layout, out=kb[d])
                 else:
                     kb[d].copy_(rotate_with(kb[s], cos, sin, spec.layout))
-            if rest.numel():
-                k = kb.index_select(0, rest_src)
-                if rest_angles is None:
-                    k = self.rope.rotate(k, rest_delta)
-                else:
-                    k = rotate_with(k, *rest_angles, spec.layout)
-                kb.index_copy_(0, rest_dst, k)
-                vb.index_copy_(0, rest_dst, vb.index_select(0, rest_src))
 
     def pre_rope_keys(self, kv: torch.Tensor) -> torch.Tensor:
         """# [num_layers, n, num_kv_heads, head_dim] the keys of a chunk's independent KV

@@ -46,6 +46,30 @@ FEED_MODES: tuple[str, ...] = ("threaded", "inorder")
 # a read ends by itself when the read returns (and writes nothing), so the forward's
 # thread does not wait out a stuck read a second time.
 CLOSE_WAIT_S = 2.0
+# The side stream's priority: lower is higher in CUDA, and torch maps any value below its
+# range to the highest. A layer's copy is what the next layer's forward waits on, so it
+# should not queue behind the forward's own kernels.
+SIDE_STREAM_PRIORITY = -1
+# Draws from torch's stream pool before giving up on a stream distinct from the current
+# one (the pool hands out a few dozen streams per priority, round robin).
+SIDE_STREAM_DRAWS = 65
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A high-priority CUDA stream on ``device`` that is not the current (forward) stream.
+
+    torch's ``Stream()`` hands out pool streams round robin, so a fresh one may alias a
+    stream already in use, the forward's own included; copies issued on the forward's
+    stream would then serialise with it and the event wait would order nothing. Called on
+    the forward's thread (the layer feed is built there)."""
+    current = torch.cuda.current_stream(device)
+    for _ in range(SIDE_STREAM_DRAWS):
+        stream = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
+        if stream.cuda_stream != current.cuda_stream:
+            return stream
+    raise RuntimeError(
+        f"no CUDA stream distinct from the current one in {SIDE_STREAM_DRAWS} draws on {device}"
+    )
 
 
 class MissingChunkError(RuntimeError):
@@ -85,7 +109,8 @@ class HostHandoff:
 class CudaHandoff(HostHandoff):
     """Side-stream copies with one CUDA event per layer.
 
-    The worker's copies and rotation go on ``stream``; ``record(l)`` marks their end with
+    The worker's copies and rotation go on ``stream`` (``side_stream``: never the
+    forward's); ``record(l)`` marks their end with
     ``events[l]``; ``wait(l)`` makes the forward's current stream wait for it on the
     device. The rows were allocated on the side stream and are read on the forward's, so
     ``retire`` tells the caching allocator (``record_stream``) not to reuse them before
@@ -94,7 +119,7 @@ class CudaHandoff(HostHandoff):
 
     def __init__(self, device: torch.device, num_layers: int) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = side_stream(device)
         self.events = [torch.cuda.Event() for _ in range(num_layers)]
 
     def issuing(self) -> AbstractContextManager[object]:

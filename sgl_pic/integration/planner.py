@@ -204,6 +204,17 @@ def calibrated(plan: RequestPlan, ratios: dict[str, float] | None) -> PicConfig:
     return plan.config.with_overrides(cachetune_r=ratios[tier])
 
 
+def pool_rows(fb: Any) -> list[int]:
+    """The request-table rows of the live batch's requests, in batch order. SGLang keeps
+    a host copy of them for extend batches (``ForwardBatch.req_pool_indices_cpu``); the
+    device tensor is read (a sync that stalls SGLang's overlap scheduler) only when a
+    batch comes without one."""
+    rows = getattr(fb, "req_pool_indices_cpu", None)
+    if rows is None:
+        rows = fb.req_pool_indices
+    return [int(r) for r in rows.tolist()]
+
+
 def wants_input_logprobs(fb: Any, b: int) -> bool:
     """Whether request ``b`` of the live batch needs logits of input rows other than its
     last one (rows the chunk path does not compute)."""

@@ -17,6 +17,7 @@ reads every layer's weights (``bench/layer_batch.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ class QueryProbe:
     """pool:      SGLang's KV pool (MHATokenToKVPool).
     key_slots:    # [num_tokens] pool slots of the request's positions 0..num_tokens-1.
     query_rows:   # [q] rows of the question's tokens in the probe batch.
-    query_pos:    # [q] their positions.
+    query_pos:    # [q] their positions, kept on the host: the mask of each layer's
+                  scores reads their least one (a device copy would make that a sync).
     layers:       decoder layers scored (0..layers-1).
     reduce:       sums a tensor over tensor-parallel ranks (each rank holds its own heads);
                   identity on one rank."""
@@ -47,7 +49,7 @@ class QueryProbe:
         self.pool = pool
         self.key_slots = key_slots.to(device)
         self.query_rows = query_rows.to(device)
-        self.query_pos = query_pos.to(device)
+        self.query_pos = query_pos.cpu()  # host: planning
         self.layers = layers
         self.reduce = reduce
         self._total = torch.zeros(key_slots.numel(), device=device)
@@ -73,12 +75,32 @@ class QueryProbe:
     @property
     def scores(self) -> torch.Tensor:
         """# [num_tokens] float32 on the host: the question's attention summed over the
-        layers and (across tensor-parallel ranks) every head."""
+        layers and (across tensor-parallel ranks) every head. One host read; a pass of
+        several probes reads them all at once with ``host_scores``."""
+        return host_scores([self])[0]
+
+    def _device_total(self) -> torch.Tensor:
+        """# [num_tokens] the summed attention where the pool is, this rank's heads."""
         if self._seen != set(range(self.layers)):
             missing = sorted(set(range(self.layers)) - self._seen)
             raise RuntimeError(f"the query probe did not see the attention of layers {missing}")
-        total = self._total if self.reduce is None else self.reduce(self._total)
-        return total.cpu()
+        return self._total
+
+
+def host_scores(probes: Sequence[QueryProbe]) -> list[torch.Tensor]:
+    """Each probe's ``scores`` (# [num_tokens] float32 on the host), for the probes of one
+    pass: one reduction over the ranks and one host read for all of them, not one each
+    (each read waits for the device). Forward thread, after the pass."""
+    if not probes:
+        return []
+    reduce = probes[0].reduce
+    if any(p.reduce is not reduce for p in probes):
+        raise ValueError("the probes of one pass must share one reduce")
+    totals = [p._device_total() for p in probes]
+    flat = torch.cat(totals)
+    if reduce is not None:
+        flat = reduce(flat)  # a sum over ranks, token by token: the same on the joined totals
+    return list(flat.cpu().split([t.numel() for t in totals]))
 
 
 class ProbeCut:

@@ -13,6 +13,7 @@ check is one host read per call, so call these once per request, not once per la
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -39,6 +40,22 @@ def pool_buffers(pool: KVPool, num_layers: int) -> tuple[list[torch.Tensor], lis
     keys = [pool.get_key_buffer(i) for i in range(num_layers)]
     values = [pool.get_value_buffer(i) for i in range(num_layers)]
     return keys, values
+
+
+def check_slots(
+    slots: Sequence[tuple[torch.Tensor, str]],  # each (# [n] int32/int64, its name)
+    num_slots: int,
+) -> None:
+    """Raises ValueError unless every slot lies in [0, num_slots): one host read for all
+    the tensors (a device sync when they are on a GPU), so a caller that indexes the pool
+    with torch's own ops afterwards checks once, not once per op."""
+    slots = [(s, name) for s, name in slots if s.numel() > 0]
+    if not slots:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(s)) for s, _ in slots]).tolist()
+    for (lo, hi), (_, name) in zip(bounds, slots, strict=True):
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"{name} out of range: values in [{lo}, {hi}], valid [0, {num_slots})")
 
 
 def read_pool_kv(
@@ -70,17 +87,21 @@ def write_pool_kv(
     """Pool K and V at ``slots`` = ``kv[:, 0]`` and ``kv[:, 1]``, every layer. ``kv`` may
     be on the pool's device or in host memory (pinned: read by the kernel directly); a
     dtype other than the pool's is cast first (one copy). The pool is written when the
-    current stream reaches the copy."""
+    current stream reaches the copy. One copy of 2 * num_layers buffers (K0, V0, K1, ...),
+    so the slots are checked once (one host read), not once for K and once for V."""
     keys, values = pool_buffers(pool, num_layers)
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(
             f"kv must be # [num_layers, 2, n, num_kv_heads, head_dim], got {tuple(kv.shape)}"
         )
+    if kv.shape[0] != num_layers:
+        raise ValueError(f"kv has {kv.shape[0]} layers but {num_layers} are written")
     if kv.dtype != keys[0].dtype:
         kv = kv.to(keys[0].dtype)
-    result = dispatch.scatter_kv(kv[:, 0], keys, slots)
-    dispatch.scatter_kv(kv[:, 1], values, slots)
-    return result
+    buffers = [b for pair in zip(keys, values, strict=True) for b in pair]
+    # [2 * num_layers, n, ...] in the buffers' order: a view (K and V of a layer sit one
+    # # [n, num_kv_heads, head_dim] block apart, whatever rows ``kv`` was sliced to).
+    return dispatch.scatter_kv(kv.flatten(0, 1), buffers, slots)
 
 
 def rotate_pool_keys(

@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -539,3 +541,45 @@ def test_cuda_forward_waits_on_events_not_on_the_host(setup) -> None:
     (k, v), (want_k, want_v) = pool.snapshot(), cpu.snapshot()
     torch.testing.assert_close(k.cpu(), want_k, atol=1e-5, rtol=0)
     assert torch.equal(v.cpu(), want_v)
+
+
+class PoolStreams:
+    """torch's CUDA stream pool as far as ``side_stream`` sees it: ``Stream(device,
+    priority)`` hands out handles round robin from ``handles``; ``current_stream`` is
+    the stream with handle ``current``."""
+
+    def __init__(self, handles: list[int], current: int) -> None:
+        self.handles = handles
+        self.current = SimpleNamespace(cuda_stream=current)
+        self.drawn: list[SimpleNamespace] = []
+
+    def stream(self, device: Any = None, priority: int = 0) -> SimpleNamespace:
+        s = SimpleNamespace(
+            cuda_stream=self.handles[len(self.drawn) % len(self.handles)],
+            device=device,
+            priority=priority,
+        )
+        self.drawn.append(s)
+        return s
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "Stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: SimpleNamespace())
+
+
+def test_the_side_stream_is_never_the_forward_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's next stream is the forward's own (SGLang draws its forward stream from
+    the same pool): the handoff draws past it, at high priority."""
+    streams = PoolStreams([7, 7, 9], current=7)
+    streams.patch(monkeypatch)
+    handoff = CudaHandoff(torch.device("cuda", 0), LAYERS)
+    assert handoff.stream.cuda_stream == 9
+    assert all(s.priority == layer_feed.SIDE_STREAM_PRIORITY < 0 for s in streams.drawn)
+    assert len(handoff.events) == LAYERS
+
+
+def test_a_pool_of_only_the_forward_stream_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    PoolStreams([7], current=7).patch(monkeypatch)
+    with pytest.raises(RuntimeError, match="distinct from the current one"):
+        layer_feed.side_stream(torch.device("cuda", 0))

@@ -226,3 +226,19 @@ def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> 
     live.extend_prefix_lens_cpu, live.extend_seq_lens_cpu = [0], [6]
     assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
     assert counts == {"resumed": 1, "fallbacks": 1}
+
+
+def test_pool_rows_come_from_sglangs_host_copy_without_reading_the_device() -> None:
+    from types import SimpleNamespace
+
+    def device_read() -> list[int]:
+        raise AssertionError("read the device tensor although the host copy was there")
+
+    live = SimpleNamespace(
+        req_pool_indices=SimpleNamespace(tolist=device_read),
+        req_pool_indices_cpu=torch.tensor([3, 1]),
+    )
+    assert planner.pool_rows(live) == [3, 1]
+    # A batch without the host copy (SGLang leaves it None outside plain extend batches).
+    bare = SimpleNamespace(req_pool_indices=torch.tensor([2, 5]), req_pool_indices_cpu=None)
+    assert planner.pool_rows(bare) == [2, 5]

@@ -1,0 +1,358 @@
+"""Host syncs of the chunk path: a chunked batch run through the real ``ChunkExecutor``
+(lookups, device-hit copies, phase 1, the query probe, selection, phase 2) on the CPU, with
+every read of device data by the host counted.
+
+There is no GPU here, so "device data" is marked: SGLang's tensors (the pool's K/V
+buffers, the request table, the allocator's slots, the live batch's tensors) and the
+decoder stack's outputs are ``Dev`` tensors, and everything computed from them stays one
+(torch's subclass propagation). A host read of a ``Dev`` tensor is what would wait for the
+GPU: ``tolist``, ``item``, ``cpu``, ``numpy``, ``bool``/``int``/``float``, and ops whose
+output size depends on the data (``nonzero``, ``unique``, ``masked_select``, boolean
+indexing), as ``torch.cuda.set_sync_debug_mode`` reports on a GPU. Host-side planning
+tensors (made from Python lists, as SGLang's own ``*_cpu`` fields) are not counted.
+"""
+
+# ruff: noqa: E402 - sglang imports need the CPU stubs active first
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+
+pytest.importorskip("sglang")
+pytestmark = pytest.mark.sglang
+
+from sgl_pic.integration.cpu_env import activate_cpu_stubs
+
+activate_cpu_stubs()
+
+import torch
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from torch.overrides import TorchFunctionMode
+
+from sgl_pic.config import PicConfig
+from sgl_pic.integration import planner, query_probe
+from sgl_pic.integration.chunk_nodes import ChunkNodeTable
+from sgl_pic.integration.executor import ChunkExecutor
+from sgl_pic.integration.gate import Pending
+from sgl_pic.integration.kv_access import KVAccess
+from sgl_pic.integration.model_rope import ModelRope
+from sgl_pic.integration.phases import PhaseRunner
+from sgl_pic.integration.spans import PicRequest
+from sgl_pic.keys import ModelFingerprint
+from sgl_pic.layout import PromptLayout
+from sgl_pic.rope import default_inv_freq
+from tests.integration.fakes import FakeAllocator, FakePool
+
+LAYERS, HEADS, KV_HEADS, DIM, HIDDEN = 2, 4, 2, 16, 32
+CHUNK, QUESTION = 24, 6
+SEGMENT = 8  # tokens per chunk node
+INV_FREQ = default_inv_freq(DIM, 10000.0)
+
+_SYNC_METHODS = {
+    torch.Tensor.tolist,
+    torch.Tensor.item,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.Tensor.unique,
+    torch.unique,
+    torch.masked_select,
+    torch.Tensor.masked_select,
+    torch.equal,
+    torch.allclose,
+}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+
+
+def _bool_index(args: tuple[Any, ...]) -> bool:
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+class Dev(torch.Tensor):
+    """A tensor that stands for GPU memory: host reads of it are counted in ``syncs``
+    while ``counting``."""
+
+    syncs: ClassVar[Counter[str]] = Counter()
+    counting: ClassVar[bool] = False
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if cls.counting and (func in _SYNC_METHODS or (func in _INDEXING and _bool_index(args))):
+            cls.syncs[getattr(func, "__name__", str(func))] += 1
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.Tensor.cpu and isinstance(out, torch.Tensor):
+            return out.as_subclass(torch.Tensor)  # copied to the host: host data from here
+        return out
+
+
+def dev(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(Dev)
+
+
+# Modules whose tensors made on a named device are device tensors on a GPU (the pool's
+# or the live batch's device). Selection policies and the planner name a device only to
+# follow their inputs' (``device=x.device``), which propagation covers.
+DEVICE_MODULES = (
+    "sgl_pic/integration/executor.py",
+    "sgl_pic/integration/kv_access.py",
+    "sgl_pic/integration/phases.py",
+    "sgl_pic/integration/query_probe.py",
+    "sgl_pic/integration/layer_feed.py",
+    "sgl_pic/integration/attention.py",
+    "sgl_pic/ops/",
+)
+
+
+def _caller_is_device_code() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "sgl_pic/" in name:
+            return any(m in name for m in DEVICE_MODULES)
+        frame = frame.f_back
+    return False
+
+
+class DeviceFactories(TorchFunctionMode):
+    """Tensors the device-side modules make on a named device (a factory or ``to``
+    naming one) are device data too; host planning tensors name none."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        names_device = kwargs.get("device") is not None or (
+            func is torch.Tensor.to and any(isinstance(a, torch.device | str) for a in args)
+        )
+        if names_device and type(out) is torch.Tensor and _caller_is_device_code():
+            return out.as_subclass(Dev)
+        return out
+
+
+@contextmanager
+def counting() -> Iterator[Counter[str]]:
+    Dev.syncs = Counter()
+    Dev.counting = True
+    try:
+        with DeviceFactories():
+            yield Dev.syncs
+    finally:
+        Dev.counting = False
+
+
+class DevAllocator(FakeAllocator):
+    """The fake allocator handing out device slots, as SGLang's does."""
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        slots = super().alloc(need_size)
+        return None if slots is None else dev(slots)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        # The fake's own bookkeeping reads the slots; SGLang's allocator does not.
+        saved, Dev.counting = Dev.counting, False
+        try:
+            super().free(free_index.as_subclass(torch.Tensor))
+        finally:
+            Dev.counting = saved
+
+
+class NoMetrics:
+    """Takes every metric update the executor makes and keeps none: Prometheus names are
+    global, and one ``PicMetrics`` per process is all a test run may register."""
+
+    def __getattr__(self, name: str) -> NoMetrics:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoMetrics:
+        return self
+
+
+class PlainBackend:
+    """An attention backend that plans nothing: the stack below does not attend."""
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        pass
+
+
+class Server:
+    """The pieces of one worker the executor needs, device data marked ``Dev``."""
+
+    def __init__(self, policy: str) -> None:
+        self.pool = FakePool(4096, LAYERS, KV_HEADS, DIM)
+        self.pool.k_buffer = [dev(b) for b in self.pool.k_buffer]
+        self.pool.v_buffer = [dev(b) for b in self.pool.v_buffer]
+        self.alloc = DevAllocator(4000)
+        self.req_pool = ReqToTokenPool(32, 512, "cpu", False)
+        self.req_pool.req_to_token = dev(self.req_pool.req_to_token)
+        fp = ModelFingerprint(model_id="test-model", dtype="float32")
+        nodes = ChunkNodeTable(self.alloc, fp, SEGMENT, 2048)
+        self.kv = KVAccess(self.pool, LAYERS, ModelRope.plain(INV_FREQ, max_positions=512))
+        # On a GPU pool ``copy_rotated`` gathers every row (the CPU's slice runs read the
+        # indices on the host); take that path here too.
+        self.kv.per_layer_copies = False
+        self.phases = PhaseRunner(PlainBackend(), self.req_pool.req_to_token, None, self.req_pool)
+        self.executor = ChunkExecutor(
+            PicConfig(policy=policy), nodes, self.kv, NoMetrics(), self.phases
+        )
+        self.attn = [
+            SimpleNamespace(tp_q_head_num=HEADS, qk_head_dim=DIM, layer_id=i, scaling=DIM**-0.5)
+            for i in range(LAYERS)
+        ]
+
+    def stack(self, ids: torch.Tensor, pos: torch.Tensor, fb: Any) -> torch.Tensor:
+        """A decoder stack's footprint: each layer's hooks, its K/V written to the batch's
+        slots, queries handed to the attention hook; no host reads of its own."""
+        x = (ids.to(torch.float32)[:, None] + pos.to(torch.float32)[:, None]) * 0.01
+        for layer in range(LAYERS):
+            self.phases.layer_start(layer)
+            k = torch.sin(x + layer).expand(-1, KV_HEADS * DIM).reshape(-1, KV_HEADS, DIM)
+            self.pool.k_buffer[layer][fb.out_cache_loc] = k
+            self.pool.v_buffer[layer][fb.out_cache_loc] = torch.cos(k)
+            q = torch.sin(x - layer).expand(-1, HEADS * DIM).contiguous()
+            self.phases.attention_end(layer, self.attn[layer], q)
+            self.phases.layer_end(layer)
+        return x.expand(-1, HIDDEN).contiguous()
+
+    def run(self, prompts: list[tuple[list[list[int]], list[int]]]) -> torch.Tensor:
+        """One extend batch of chunked prompts (chunks, question), none with a device
+        prefix; # [tokens, hidden]."""
+        rows = self.req_pool.alloc_rows(len(prompts))
+        assert rows is not None
+        ids: list[int] = []
+        lens: list[int] = []
+        locs: list[torch.Tensor] = []
+        for b, (chunks, question) in enumerate(prompts):
+            toks = [t for c in chunks for t in c] + question
+            layout = PromptLayout.from_lengths([len(c) for c in chunks], len(question))
+            rid = f"r{b}"
+            self.executor.handoff[rid] = Pending(PicRequest(layout, {}), tuple(toks))
+            slots = self.alloc.alloc(len(toks))
+            assert slots is not None
+            self.req_pool.req_to_token[rows[b], : len(toks)] = slots.to(torch.int32)
+            ids += toks
+            lens.append(len(toks))
+            locs.append(slots)
+        live = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(prompts),
+            input_ids=dev(torch.tensor(ids)),
+            req_pool_indices=dev(torch.tensor(rows, dtype=torch.int64)),
+            seq_lens=dev(torch.tensor(lens)),
+            out_cache_loc=torch.cat(locs),
+            seq_lens_sum=sum(lens),
+            extend_prefix_lens_cpu=[0] * len(prompts),
+            extend_seq_lens_cpu=lens,
+            # SGLang's host copy of the rows, as ``ForwardBatch.init_new`` sets it.
+            req_pool_indices_cpu=torch.tensor(rows, dtype=torch.int64),
+            rids=[f"r{b}" for b in range(len(prompts))],
+        )
+        out = self.executor.forward(self.stack, live.input_ids, live)
+        assert out is not None and out.shape == (sum(lens), HIDDEN)
+        self.req_pool.free_rows(rows)
+        return out
+
+
+def chunk(i: int) -> list[int]:
+    return list(range(100 * i + 1, 100 * i + 1 + CHUNK))
+
+
+def question(i: int) -> list[int]:
+    return list(range(5000 + 10 * i, 5000 + 10 * i + QUESTION))
+
+
+def prompts(chunk_orders: list[list[int]]) -> list[tuple[list[list[int]], list[int]]]:
+    return [([chunk(c) for c in order], question(i)) for i, order in enumerate(chunk_orders)]
+
+
+def syncs_of(server: Server, batch: list[tuple[list[list[int]], list[int]]]) -> int:
+    with counting() as syncs:
+        server.run(batch)
+    print(len(batch), "request(s):", dict(syncs))
+    return sum(syncs.values())
+
+
+# Host reads a chunked batch makes today, with the executor as it stands (each named by
+# where it is; ``ROW_READS`` go once the executor takes its rows from ``planner.pool_rows``):
+ROW_READS = 2  # the executor's ``live.req_pool_indices.tolist()``, in forward and phase 2
+HIT_COPY = 1  # ``copy_rotated``'s one slot check, every device hit of the batch at once
+# Per chunk phase 1 stores: its read, one write per chunk node, its re-rotated write, and
+# the executor's ``ranking.cpu()``.
+PER_MISS = 1 + -(-CHUNK // SEGMENT) + 1 + 1
+# Per request, query_aware: its query-probe scores, for selection on the host. Per hit
+# chunk, cachetune: the chunk node's ranking, kept where phase 1 computed it (the device).
+PER_REQUEST = {"query_aware": 1, "cachetune": 0}
+PER_HIT_CHUNK = {"query_aware": 0, "cachetune": 1}
+
+
+@pytest.mark.parametrize("policy", ["query_aware", "cachetune"])
+def test_host_syncs_of_a_chunked_batch_do_not_grow_with_its_hits(policy: str) -> None:
+    """Device hits cost one host read per batch, however many chunks and requests reuse
+    them (``copy_rotated``); the rest is per request or chunk, as the executor reads its
+    signals (see ``PER_REQUEST``, ``PER_HIT_CHUNK``) and stores a missed chunk."""
+    server = Server(policy)
+    req, hit = PER_REQUEST[policy], PER_HIT_CHUNK[policy]
+    assert syncs_of(server, prompts([[0, 1]])) <= ROW_READS + req + 2 * PER_MISS
+    assert syncs_of(server, prompts([[2, 3, 4]])) <= ROW_READS + req + 3 * PER_MISS
+    assert syncs_of(server, prompts([[1, 0]])) <= ROW_READS + HIT_COPY + req + 2 * hit
+    many = [[1, 0, 2], [3, 4, 0], [2, 1, 4], [4, 3, 2]]
+    assert syncs_of(server, prompts(many)) <= ROW_READS + HIT_COPY + 4 * req + 12 * hit
+
+
+def test_the_live_batch_carries_sglangs_host_copy_of_its_rows() -> None:
+    """``planner.pool_rows`` reads ``req_pool_indices_cpu``: a field of SGLang's
+    ForwardBatch, which ``init_new`` fills for extend batches from the schedule batch."""
+    import dataclasses
+    import inspect
+
+    assert "req_pool_indices_cpu" in {f.name for f in dataclasses.fields(ForwardBatch)}
+    assert "req_pool_indices_cpu=" in inspect.getsource(ForwardBatch.init_new)
+    rows = dev(torch.tensor([3, 1]))
+    live = SimpleNamespace(req_pool_indices=rows, req_pool_indices_cpu=torch.tensor([3, 1]))
+    with counting() as syncs:
+        assert planner.pool_rows(live) == [3, 1]
+    assert not syncs
+
+
+def test_the_probes_of_a_pass_reach_the_host_in_one_read() -> None:
+    pool = FakePool(64, LAYERS, KV_HEADS, DIM)
+    pool.k_buffer = [dev(torch.randn(b.shape)) for b in pool.k_buffer]
+    attn = SimpleNamespace(tp_q_head_num=HEADS, qk_head_dim=DIM, layer_id=0, scaling=0.25)
+    probes = []
+    for n in (10, 14, 7):
+        slots = dev(torch.randperm(63)[:n] + 1)
+        probe = query_probe.QueryProbe(
+            pool, slots, torch.tensor([0, 1]), torch.tensor([n - 2, n - 1]), 1
+        )
+        probe.after_attention(0, attn, dev(torch.randn(2, HEADS * DIM)))
+        probes.append(probe)
+    with counting() as syncs:
+        together = query_probe.host_scores(probes)
+    assert sum(syncs.values()) == 1
+    for probe, scores in zip(probes, together, strict=True):
+        assert type(scores) is torch.Tensor and torch.equal(scores, probe.scores)
