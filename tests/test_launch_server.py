@@ -70,3 +70,26 @@ def test_admission_mode_reaches_the_settings() -> None:
     assert PicServerSettings(PicConfig(), admission=ns.pic_admission).admission == "second_sight"
     with pytest.raises(SystemExit):
         build([*MODEL, "--pic-admission", "never"])
+
+
+@pytest.mark.sglang
+def test_chunk_starts_are_padded_to_the_page_size_sglang_resolved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # SGLang may raise --page-size while resolving (e.g. for trtllm_mha); its decision
+    # sits in the record's declarations, not in argv.
+    from types import SimpleNamespace
+
+    from sgl_pic.launch_server import launch_check
+
+    _, _, config = build([*MODEL, "--page-size", "16"])
+    args = SimpleNamespace(attention_backend="triton", page_size=16)
+    args._resolved_overrides = [("_mla_backend_page_constraints", {"page_size": 64})]
+    with caplog.at_level("INFO"):
+        assert launch_check(args, config).page_size == 64
+    assert "chunk reuse on" in caplog.text and "page size 64" in caplog.text
+    args._resolved_overrides.append(("user", {"attention_backend": "trtllm_mha"}))
+    with caplog.at_level("INFO"):
+        launch_check(args, config)
+    assert "chunk reuse will be off (backend)" in caplog.text
+    assert "lifted by --attention-backend" in caplog.text
