@@ -57,6 +57,7 @@ def main(argv: list[str]) -> None:
 
     activate_cpu_stubs()  # SGLang's CPU-only imports, before the machine turns "CUDA"
     import sglang.srt.arg_groups.pipeline  # noqa: F401
+    from sglang.srt.arg_groups.model_override_base import resolved_view
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -71,7 +72,6 @@ def main(argv: list[str]) -> None:
     from sgl_pic import launch_server
     from sgl_pic.integration import plugin
     from sgl_pic.integration.model_hooks import check_support
-    from sgl_pic.integration.self_check import resolved
     from sgl_pic.model.embedded import ensure_embedded_model
     from tests.integration.test_model_hooks import Model
 
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> None:
     else:  # as SGLang's run_server resolves what it is given
         args = prepare_server_args(sglang_argv)
         args.resolve_once()
-    view = resolved(args)
+    view = resolved_view(args)
     graph_backend = view.cuda_graph_config.prefill.backend
     page = int(view.page_size or 1)
     mock.patch.stopall()

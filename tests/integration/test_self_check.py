@@ -1,14 +1,10 @@
-"""The support check on SGLang's resolved arguments: a default launch on a CUDA GPU
-(mocked) serves reuse with SGLang's prefill CUDA graphs on, resolved values are read (not
-the raw record), page sizes must agree, and every refusal names the flag that lifts it."""
+"""The support check on SGLang's resolved arguments: resolved values are read (not the raw
+record), every prefill graph backend is served, page sizes must agree, and every refusal
+names the flag that lifts it. (A whole launch on a mocked CUDA GPU:
+``tests/test_launch_server.py``.)"""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,8 +16,6 @@ from sgl_pic.integration.self_check import (
     check_page_size,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def resolved_args(**declared: Any) -> Any:
     """A record as SGLang's resolution leaves it: raw fields unset (``None``), the
@@ -29,45 +23,6 @@ def resolved_args(**declared: Any) -> Any:
     raw = SimpleNamespace(attention_backend=None, page_size=None, cuda_graph_config=None)
     raw._resolved_overrides = [("_resolution", declared)]
     return raw
-
-
-def cuda_launch(gpu: str, mode: str, *argv: str) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.integration.cuda_args", gpu, mode, *argv],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return json.loads(lines[-1])
-
-
-@pytest.mark.sglang
-def test_a_default_launch_on_a_cuda_gpu_serves_reuse_with_prefill_graphs() -> None:
-    # SGLang resolves breakable prefill CUDA graphs by default on CUDA; the chunk path runs
-    # beside them (its batches are kept off the graph), so the check accepts.
-    got = cuda_launch("h100", "sglang")
-    assert got["prefill_graph"] == "breakable" and got["attention"][0] == "fa3"
-    assert (got["reason"], got["detail"]) == ("", "")
-    assert got["config_page_size"] == got["pool_page_size"] == 1
-
-
-@pytest.mark.sglang
-def test_a_default_launch_on_blackwell_serves_reuse_at_the_pools_page_size() -> None:
-    # SGLang's default there is trtllm_mha, which also raises the page size to 64; the
-    # launcher names a covered backend instead, and pads chunk starts to the page size
-    # SGLang resolved.
-    got = cuda_launch("b200", "launcher")
-    assert got["attention"][0] == "flashinfer" and got["prefill_graph"] == "breakable"
-    assert (got["reason"], got["detail"]) == ("", "")
-    assert got["config_page_size"] == got["pool_page_size"] == got["page_size"]
 
 
 def test_checks_read_the_resolved_arguments_not_the_raw_record() -> None:
