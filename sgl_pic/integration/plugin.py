@@ -94,7 +94,7 @@ def build_tree_cache(ctx: Any) -> Any:
         # the size SGLang resolved and built.
         support = check_page_size(settings.config.page_size, ctx)
     if support.ok and settings.refused:
-        support = Support("model_check", settings.refused)
+        support = Support("model_check", f"{settings.refused}; lifted by dropping --pic-check")
     if not support.ok:
         logger.error(
             "sgl_pic: chunk reuse is off: %s is not covered; every request runs as exact "

@@ -13,6 +13,9 @@ import torch
 
 from sgl_pic.integration.model_hooks import SUPPORTED_BACKENDS, check_support, install
 
+# check_support reads arguments through SGLang's resolved_view.
+pytestmark = pytest.mark.sglang
+
 
 class MHATokenToKVPool:  # the class name is what the check reads
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:

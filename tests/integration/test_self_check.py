@@ -16,6 +16,9 @@ from sgl_pic.integration.self_check import (
     check_page_size,
 )
 
+# The checks read arguments through SGLang's resolved_view.
+pytestmark = pytest.mark.sglang
+
 
 def resolved_args(**declared: Any) -> Any:
     """A record as SGLang's resolution leaves it: raw fields unset (``None``), the
