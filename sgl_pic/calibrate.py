@@ -73,25 +73,52 @@ class ModelShape:
     dtype: str = "float32"
 
 
-def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+def _no_sync() -> None:
+    return None
+
+
+def device_sync(device: str | torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work: CUDA kernels run asynchronously, so a
+    timer that did not wait would time their launch, not their run."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return lambda: torch.cuda.synchronize(dev)
+    return _no_sync
+
+
+def time_call(
+    fn: Callable[[], object],
+    repeats: int = 5,
+    warmup: int = 1,
+    sync: Callable[[], None] = _no_sync,
+) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs;
+    ``sync`` waits for the device before the clock starts and before it stops."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
-def per_token_cost(run: Callable[[int], object], small: int, large: int, repeats: int = 5) -> float:
+def per_token_cost(
+    run: Callable[[int], object],
+    small: int,
+    large: int,
+    repeats: int = 5,
+    sync: Callable[[], None] = _no_sync,
+) -> float:
     """Seconds per token of ``run(n)``, as the slope between n = small and n = large, so
     a fixed per-call cost (launch, file open) does not inflate the per-token rate."""
     if not 0 < small < large:
         raise ValueError(f"need 0 < small < large, got {small}, {large}")
-    t_small = time_call(lambda: run(small), repeats)
-    t_large = time_call(lambda: run(large), repeats)
+    t_small = time_call(lambda: run(small), repeats, sync=sync)
+    t_large = time_call(lambda: run(large), repeats, sync=sync)
     return max(0.0, (t_large - t_small) / (large - small))
 
 
@@ -140,13 +167,20 @@ class MatmulProxy:
     attention over the context, norms and the real kernels; the engine should pass its
     real layer forward instead."""
 
-    def __init__(self, shape: ModelShape, seed: int = 0) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         h, d = shape.hidden, shape.head_dim
         qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d
+        self.device, self.dtype = torch.device(device), dtype
 
         def w(*s: int) -> torch.Tensor:
-            return torch.randn(*s, generator=g) / math.sqrt(s[0])
+            return (torch.randn(*s, generator=g) / math.sqrt(s[0])).to(device, dtype)
 
         self.w_qkv = w(h, qkv)  # [hidden, (heads + 2 kv_heads) * head_dim]
         self.w_o = w(shape.num_heads * d, h)  # [heads * head_dim, hidden]
@@ -157,7 +191,7 @@ class MatmulProxy:
 
     def __call__(self, num_tokens: int) -> torch.Tensor:
         """# [num_tokens, hidden] output for random inputs of ``num_tokens`` tokens."""
-        x = torch.randn(num_tokens, self.hidden)
+        x = torch.randn(num_tokens, self.hidden, device=self.device, dtype=self.dtype)
         q = (x @ self.w_qkv)[:, : self.q_width]
         x = x + q @ self.w_o
         gate, up = (x @ self.w_gu).chunk(2, dim=-1)
@@ -283,6 +317,7 @@ def pipeline_objective(
     compute: Callable[[int], object],
     repeats: int = 3,
     cold: Callable[[], None] | None = None,
+    sync: Callable[[], None] = _no_sync,
 ) -> Callable[[float], float]:
     """Measured TTFT(r): the server's threaded ``LayerFeed`` over all layers, loading the
     reuse complement of a random recompute set of ceil(r N) tokens while ``compute``
@@ -298,7 +333,7 @@ def pipeline_objective(
                 cold()
             _run_feed(chunk.feed(recompute, "threaded"), lambda layer: compute(k))
 
-        return time_call(run, repeats)
+        return time_call(run, repeats, sync=sync)
 
     return measure
 
@@ -365,23 +400,35 @@ def calibrate(
     repeats: int = 5,
     segment_tokens: int = PicConfig().segment_tokens,
     device: str = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
 ) -> CalibrationResult:
     """Measure t_c, t_o and per-tier t_i, and choose r per tier. ``compute(n)`` runs one
-    layer's recompute of n tokens; None uses ``MatmulProxy`` (a proxy). Loads run the
-    server's ``LayerFeed`` into a scratch pool on ``device``, over chunks cut into
-    ``segment_tokens`` segments like the server's."""
+    layer's recompute of n tokens; None uses ``MatmulProxy`` (a proxy) on ``device`` in
+    ``compute_dtype``. Loads run the server's ``LayerFeed`` into a scratch pool on
+    ``device``, over chunks cut into ``segment_tokens`` segments like the server's. Every
+    timing waits for ``device`` (``device_sync``)."""
     if objective not in ("model", "measured"):
         raise ValueError(f"objective must be 'model' or 'measured', got {objective!r}")
-    compute_fn = compute if compute is not None else MatmulProxy(shape)
+    compute_fn = (
+        compute if compute is not None else MatmulProxy(shape, device=device, dtype=compute_dtype)
+    )
+    sync = device_sync(device)
     small, large = max(1, num_tokens // 8), num_tokens
-    t_c = per_token_cost(compute_fn, small, large, repeats)
+    t_c = per_token_cost(compute_fn, small, large, repeats, sync)
     t_o = measure_overhead(shape.num_layers, repeats)
     tiers: dict[str, TierCalibration] = {}
     with tier_chunks(cache_dir, shape, num_tokens, segment_tokens, device) as chunks:
         for name, (chunk, cold) in chunks.items():
-            t_i = per_token_cost(tier_loader(chunk, cold), small, large, repeats) / shape.num_layers
+            t_i = (
+                per_token_cost(tier_loader(chunk, cold), small, large, repeats, sync)
+                / shape.num_layers
+            )
             params = CostParams(t_c, t_i, t_o, shape.num_layers, num_tokens)
-            obj = None if objective == "model" else pipeline_objective(chunk, compute_fn, cold=cold)
+            obj = (
+                None
+                if objective == "model"
+                else pipeline_objective(chunk, compute_fn, cold=cold, sync=sync)
+            )
             res: SearchResult = choose_ratio(params, search, obj)
             tiers[name] = TierCalibration(
                 t_i=t_i,

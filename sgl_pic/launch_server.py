@@ -3,13 +3,23 @@
 Takes every SGLang server argument plus the ``--pic-*`` ones below. With no model named it
 serves the embedded SmolLM2-135M; with no GPU it adds SGLang's CPU flags (each only if not
 given). ``--pic-disable`` serves plain SGLang through the same launcher (the baseline).
+
+SGLang's arguments are resolved before anything starts: chunk starts are padded to the
+page size SGLang resolved, and a self-check logs whether the resolved arguments leave the
+chunk path on (each refusal names the flag that lifts it). SGLang's GPU defaults are kept,
+prefill CUDA graphs included (batches with chunked requests run eagerly); only where no
+attention backend was named and SGLang's default is one the chunk path does not cover
+(trtllm_mha on Blackwell) is FlashInfer chosen instead, with a log line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import secrets
 import sys
+from typing import Any
 
 from sgl_pic.config import MTAF_NAMES, PicConfig
 from sgl_pic.integration.chat_chunks import AUTO_CHUNK_ROLES
@@ -17,6 +27,10 @@ from sgl_pic.integration.layer_feed import FEED_MODES
 from sgl_pic.registry import POLICIES
 from sgl_pic.store.admission import ADMISSION_MODES
 from sgl_pic.store.eviction import EVICTION_POLICIES
+
+logger = logging.getLogger(__name__)
+
+BACKEND_FLAGS = ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")
 
 PIC_FLAGS: dict[str, str] = {
     # flag -> PicConfig field
@@ -199,6 +213,18 @@ def main(argv: list[str] | None = None) -> None:
         sglang_argv = with_cpu_defaults(sglang_argv)
     model_path = _flag_value(sglang_argv, "--model-path") or _flag_value(sglang_argv, "--model")
     assert model_path is not None
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+
+    if not ns.pic_disable:
+        from sgl_pic.integration.plugin import register
+
+        register()
+    load_plugins()
+    server_args, sglang_argv = resolve_server_args(sglang_argv, reuse=not ns.pic_disable)
+    if not ns.pic_disable:
+        config = launch_check(server_args, config)
     refused = "" if ns.pic_disable or not ns.pic_check else _model_check(model_path, config, ns)
     settings = PicServerSettings(
         config,
@@ -223,20 +249,75 @@ def main(argv: list[str] | None = None) -> None:
         secret=secrets.token_hex(32),
     )
     settings.to_env()
-
-    from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-
     if not ns.pic_disable:
         from sgl_pic.integration import http_ext
-        from sgl_pic.integration.plugin import register
 
-        register()
         tokenizer = _flag_value(sglang_argv, "--tokenizer-path") or model_path
         http_ext.install(settings, tokenizer)
-    load_plugins()
-    run_server(prepare_server_args(sglang_argv))
+    run_server(server_args)
+
+
+def resolve_server_args(argv: list[str], reuse: bool = True) -> tuple[Any, list[str]]:
+    """SGLang's ``ServerArgs`` for ``argv``, resolved as its launcher resolves them, and
+    the argv they came from. With ``reuse`` on and no attention backend named, a default
+    the chunk path does not cover (SGLang picks trtllm_mha on Blackwell) is replaced by
+    FlashInfer (triton where FlashInfer is missing), said in the log."""
+    from sglang.srt.server_args import prepare_server_args
+
+    from sgl_pic.integration.self_check import SUPPORTED_BACKENDS, attention_backends, resolved
+
+    args = prepare_server_args(argv)
+    args.resolve_once()
+    if not reuse or any(_flag_value(argv, flag) is not None for flag in BACKEND_FLAGS):
+        return args, argv
+    prefill, decode = attention_backends(resolved(args))
+    if {prefill, decode} <= SUPPORTED_BACKENDS:
+        return args, argv
+    from sglang.srt.runtime_context import get_platform
+
+    backend = "flashinfer" if get_platform().has_flashinfer else "triton"
+    logger.warning(
+        "sgl_pic: SGLang's default attention backend here (%s prefill, %s decode) is not "
+        "covered by chunk reuse; serving with --attention-backend %s (name a backend to "
+        "override)",
+        prefill,
+        decode,
+        backend,
+    )
+    argv = [*argv, "--attention-backend", backend]
+    args = prepare_server_args(argv)
+    args.resolve_once()
+    return args, argv
+
+
+def launch_check(server_args: Any, config: PicConfig) -> PicConfig:
+    """The launch-time self-check: ``config`` with the page size SGLang resolved (chunk
+    starts are padded to it), and a log line saying whether the resolved arguments leave
+    chunk reuse on, naming the flag that lifts a refusal. The scheduler makes the same
+    decision on the same arguments (``model_hooks.check_support``) and acts on it."""
+    from sgl_pic.integration.self_check import attention_backends, check_launch, resolved
+
+    view = resolved(server_args)
+    config = dataclasses.replace(config, page_size=int(getattr(view, "page_size", None) or 1))
+    support = check_launch(server_args, config.page_size)
+    graphs = getattr(view, "cuda_graph_config", None)
+    prefill_graph = getattr(getattr(graphs, "prefill", None), "backend", None)
+    if support.ok:
+        logger.info(
+            "sgl_pic self-check: chunk reuse on (attention %s/%s, page size %d, prefill CUDA "
+            "graphs %s: batches with chunked requests run eagerly)",
+            *attention_backends(view),
+            config.page_size,
+            prefill_graph,
+        )
+    else:
+        logger.warning(
+            "sgl_pic self-check: chunk reuse will be off (%s): %s; every request runs as "
+            "exact prefill",
+            support.reason,
+            support.detail,
+        )
+    return config
 
 
 def _model_check(model_path: str, config: PicConfig, ns: argparse.Namespace) -> str:

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from sgl_pic.config import PicConfig
@@ -9,6 +16,7 @@ from sgl_pic.integration.settings import PicServerSettings
 from sgl_pic.launch_server import _flag_value, build
 
 MODEL = ["--model-path", "/some/model"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_reuse_flags_are_added_unless_given() -> None:
@@ -70,3 +78,65 @@ def test_admission_mode_reaches_the_settings() -> None:
     assert PicServerSettings(PicConfig(), admission=ns.pic_admission).admission == "second_sight"
     with pytest.raises(SystemExit):
         build([*MODEL, "--pic-admission", "never"])
+
+
+@pytest.mark.sglang
+def test_chunk_starts_are_padded_to_the_page_size_sglang_resolved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # SGLang may raise --page-size while resolving (e.g. for trtllm_mha); its decision
+    # sits in the record's declarations, not in argv.
+    from types import SimpleNamespace
+
+    from sgl_pic.launch_server import launch_check
+
+    _, _, config = build([*MODEL, "--page-size", "16"])
+    args = SimpleNamespace(attention_backend="triton", page_size=16)
+    args._resolved_overrides = [("_mla_backend_page_constraints", {"page_size": 64})]
+    with caplog.at_level("INFO"):
+        assert launch_check(args, config).page_size == 64
+    assert "chunk reuse on" in caplog.text and "page size 64" in caplog.text
+    args._resolved_overrides.append(("user", {"attention_backend": "trtllm_mha"}))
+    with caplog.at_level("INFO"):
+        launch_check(args, config)
+    assert "chunk reuse will be off (backend)" in caplog.text
+    assert "lifted by --attention-backend" in caplog.text
+
+
+def cuda_launch(gpu: str, mode: str, *argv: str) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.integration.cuda_args", gpu, mode, *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and lines, out.stderr[-4000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.sglang
+def test_a_default_launch_on_a_cuda_gpu_serves_reuse_with_prefill_graphs() -> None:
+    # SGLang resolves breakable prefill CUDA graphs by default on CUDA; the chunk path runs
+    # beside them (its batches are kept off the graph), so the check accepts.
+    got = cuda_launch("h100", "sglang")
+    assert got["prefill_graph"] == "breakable" and got["attention"][0] == "fa3"
+    assert (got["reason"], got["detail"]) == ("", "")
+    assert got["config_page_size"] == got["pool_page_size"] == 1
+
+
+@pytest.mark.sglang
+def test_a_default_launch_on_blackwell_serves_reuse_at_the_pools_page_size() -> None:
+    # SGLang's default there is trtllm_mha, which also raises the page size to 64; the
+    # launcher names a covered backend instead, and pads chunk starts to the page size
+    # SGLang resolved.
+    got = cuda_launch("b200", "launcher")
+    assert got["attention"][0] == "flashinfer" and got["prefill_graph"] == "breakable"
+    assert (got["reason"], got["detail"]) == ("", "")
+    assert got["config_page_size"] == got["pool_page_size"] == got["page_size"]

@@ -12,114 +12,110 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from sgl_pic.integration.model_rope import UnsupportedRope, find_rotary
+from sgl_pic.integration.self_check import (
+    NO_FLAG,
+    SUPPORTED_BACKENDS,
+    Support,
+    check_args,
+    sglang_kv_tiers,
+)
 
 logger = logging.getLogger(__name__)
 
-# Backends whose extend reads keys through req_to_token rows with per-sequence prefix
-# lengths, which is all a phase batch is.
-SUPPORTED_BACKENDS = frozenset({"torch_native", "flashinfer", "fa3", "triton"})
+__all__ = ["SUPPORTED_BACKENDS", "Support", "check_support", "install", "sglang_kv_tiers"]
+
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# SGLang's prefill graph runner; batches with chunked requests are kept off it by
+# ``plugin._prefill_graph_hook`` on its ``can_run_graph``.
+PREFILL_GRAPH_RUNNER = "PrefillCudaGraphRunner"
 
 
-class Support(NamedTuple):
-    """``reason`` is a metric label (one word) and ``detail`` the log line's text; both
-    empty when the chunk path can serve the model."""
-
-    reason: str
-    detail: str
-
-    @property
-    def ok(self) -> bool:
-        return not self.reason
-
-
-def check_support(ctx: Any) -> Support:
+def check_support(ctx: Any, prefill_graph_guarded: Callable[[Any], bool] | None = None) -> Support:
     """Whether the chunk path covers this server (``ctx``: SGLang's tree-cache build
-    context). Models whose attention the method does not cover are refused here."""
-    args = ctx.server_args
+    context). Models whose attention the method does not cover are refused here; every
+    refusal's detail names the flag that would lift it. ``prefill_graph_guarded(runner)``:
+    whether batches with chunked requests are kept off that prefill graph runner (default:
+    the plugin's hook is on its ``can_run_graph``)."""
+    guarded = prefill_graph_guarded or graph_guarded
     runner = getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
     if runner is None:
         return Support("no_model_runner", "the scheduler exposes no model runner")
-    backends = {
-        getattr(args, "attention_backend", None),
-        getattr(args, "prefill_attention_backend", None),
-    } - {None}
-    if not backends <= SUPPORTED_BACKENDS:
-        return Support(
-            "backend",
-            f"attention backend {sorted(backends)} is not one of {sorted(SUPPORTED_BACKENDS)}",
-        )
+    support = check_args(ctx.server_args)
+    if not support.ok:
+        return support
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
-        return Support("hybrid", "hybrid sliding-window / state-space / sparse attention models")
+        return Support(
+            "hybrid", f"hybrid sliding-window / state-space / sparse attention models; {NO_FLAG}"
+        )
     hf = ctx.model_config.hf_config
     if getattr(hf, "kv_lora_rank", None):
-        return Support("mla", "multi-head latent attention (MLA)")
-    if int(getattr(args, "pp_size", 1) or 1) > 1 or getattr(args, "enable_dp_attention", False):
-        return Support("parallelism", "pipeline parallelism or DP attention")
-    if getattr(args, "speculative_algorithm", None):
-        return Support("speculative", "speculative decoding")
-    if getattr(args, "enable_lora", False) or getattr(args, "lora_paths", None):
-        # LoRA layers read batch info prepared for the live batch's segments.
-        return Support("lora", "LoRA adapters")
-    if getattr(args, "enable_two_batch_overlap", False):
-        return Support("parallelism", "two-batch overlap")
-    if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
-        return Support("parallelism", "context parallelism")
-    tiers = sglang_kv_tiers(args)
-    if tiers:
-        return Support("kv_tiers", f"SGLang's own KV tiers or connectors ({', '.join(tiers)})")
-    if str(getattr(args, "disaggregation_mode", "null") or "null") != "null":
-        return Support("disaggregation", "prefill-decode disaggregation")
+        return Support("mla", f"multi-head latent attention (MLA); {NO_FLAG}")
     pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     if type(pool).__name__ != "MHATokenToKVPool":
-        return Support("kv_pool", f"KV pool {type(pool).__name__} (needs MHATokenToKVPool)")
+        return Support(
+            "kv_pool", f"KV pool {type(pool).__name__} (needs MHATokenToKVPool); {NO_FLAG}"
+        )
     if pool.dtype not in KV_DTYPES:
-        return Support("kv_dtype", f"KV cache dtype {pool.dtype} (quantized KV is not covered)")
-    prefill_graph = getattr(runner, "prefill_cuda_graph_runner", None)
-    if prefill_graph is not None and type(prefill_graph).__name__ != "EagerRunner":
-        return Support("prefill_graph", "piecewise prefill CUDA graphs (decode graphs are fine)")
+        return Support(
+            "kv_dtype",
+            f"KV cache dtype {pool.dtype} (quantized KV is not covered); "
+            "lifted by --kv-cache-dtype auto",
+        )
+    graph = getattr(runner, "prefill_cuda_graph_runner", None)
+    graph_kind = type(graph).__name__
+    if (
+        graph is not None
+        and graph_kind != "EagerRunner"
+        and not (graph_kind == PREFILL_GRAPH_RUNNER and guarded(graph))
+    ):
+        return Support(
+            "prefill_graph",
+            f"prefill CUDA graph runner {graph_kind} without the chunk-batch guard on its "
+            "can_run_graph; lifted by --cuda-graph-backend-prefill disabled",
+        )
     stack = getattr(runner.model, "model", None)
     layers = getattr(stack, "layers", None)
     if not isinstance(stack, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList):
-        return Support("model", f"{type(runner.model).__name__} has no .model.layers stack")
+        return Support(
+            "model", f"{type(runner.model).__name__} has no .model.layers stack; {NO_FLAG}"
+        )
     for module in runner.model.modules():
         if type(module).__name__ != "RadixAttention":
             continue
         if getattr(module, "is_cross_attention", False):
-            return Support("cross_attention", "cross attention")
+            return Support("cross_attention", f"cross attention; {NO_FLAG}")
         if getattr(module, "sliding_window_size", -1) not in (None, -1):
-            return Support("sliding_window", "sliding-window attention")
+            return Support("sliding_window", f"sliding-window attention; {NO_FLAG}")
     try:
         find_rotary(runner.model)
     except UnsupportedRope as e:
-        return Support("rope", str(e))
+        return Support("rope", f"{e}; {NO_FLAG}")
     return Support("", "")
 
 
-def sglang_kv_tiers(args: Any) -> list[str]:
-    """The SGLang flags that put its own KV tiers or connectors under the radix tree.
-    Chunk reuse is not combined with them: they have not run together (SGLang's
-    HiCache does not run on the CPU at all), HiCache would write approximate KV to its
-    host and storage tiers, and LMCache or FlexKV would be dropped without a word, since
-    the sgl_pic tree takes the radix-cache factory they are built by."""
-    on = [
-        flag
-        for flag in (
-            "enable_hierarchical_cache",
-            "enable_lmcache",
-            "enable_flexkv",
-            "enable_unified_cache_external_linker",
-        )
-        if getattr(args, flag, False)
-    ]
-    if getattr(args, "disaggregation_decode_retraction_backup", None) == "host_pool":
-        on.append("disaggregation_decode_retraction_backup=host_pool")
-    return ["--" + f.replace("_", "-") for f in on]
+def graph_guarded(graph_runner: Any) -> bool:
+    """Whether ``plugin._prefill_graph_hook`` wraps the ``can_run_graph`` this prefill
+    graph runner's class resolves to (SGLang's HookRegistry applies it as an AROUND
+    wrapper whose ``__wrapped__`` chain leads to the original)."""
+    import inspect
+
+    from sgl_pic.integration.plugin import _prefill_graph_hook
+
+    fn = getattr(type(graph_runner), "can_run_graph", None)
+    while callable(fn):
+        try:
+            hooks = inspect.getclosurevars(fn).nonlocals.values()
+        except TypeError:  # a builtin or C callable: no closure to read
+            return False
+        if any(h is _prefill_graph_hook for h in hooks):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 StackForward = Callable[..., Any]

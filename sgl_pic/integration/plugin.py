@@ -35,6 +35,12 @@ PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_e
 # Called by the scheduler on every generate request before it is queued (the patch
 # reaches the scheduler's own ``from ... import`` binding through HookRegistry).
 ADMIT_TARGET = "sglang.srt.managers.utils.validate_input_length"
+# Asked by ``ModelRunner._forward_raw`` of every extend batch before it replays a prefill
+# CUDA graph (SGLang 0.5.23 captures breakable ones by default on CUDA).
+PREFILL_GRAPH_TARGET = (
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
+    "PrefillCudaGraphRunner.can_run_graph"
+)
 
 
 def register() -> None:
@@ -54,6 +60,7 @@ def register() -> None:
     HookRegistry.register(PREPARE_TARGET, _after_prepare_for_extend, HookType.AFTER)
     HookRegistry.register(ADMIT_TARGET, _admit_hook, HookType.AROUND)
     HookRegistry.register(FORWARD_TARGET, timed_forward, HookType.AROUND)
+    HookRegistry.register(PREFILL_GRAPH_TARGET, _prefill_graph_hook, HookType.AROUND)
 
 
 def build_tree_cache(ctx: Any) -> Any:
@@ -70,6 +77,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.integration.model_hooks import Support, check_support, install
     from sgl_pic.integration.model_rope import ModelRope, find_rotary, rope_spec
     from sgl_pic.integration.phases import PhaseRunner
+    from sgl_pic.integration.self_check import check_page_size
     from sgl_pic.integration.settings import PicServerSettings
     from sgl_pic.integration.spans import MarkSigner
     from sgl_pic.selection import ranking_recipe
@@ -81,8 +89,12 @@ def build_tree_cache(ctx: Any) -> Any:
     # Checked before anything is built: a model or backend the method does not cover is
     # served exactly, with reuse off, a log line and a metric.
     support = check_support(ctx)
+    if support.ok:
+        # The HTTP side pads chunk starts to the launcher's page size; the pool pages at
+        # the size SGLang resolved and built.
+        support = check_page_size(settings.config.page_size, ctx)
     if support.ok and settings.refused:
-        support = Support("model_check", settings.refused)
+        support = Support("model_check", f"{settings.refused}; lifted by dropping --pic-check")
     if not support.ok:
         logger.error(
             "sgl_pic: chunk reuse is off: %s is not covered; every request runs as exact "
@@ -103,6 +115,7 @@ def build_tree_cache(ctx: Any) -> Any:
         server_fingerprint(ctx, cache_pool.dtype),
         ranking=ranking_recipe(settings.config.cachetune_alpha),
     )
+    prepare_kernels(cache_pool.get_key_buffer(0).device)
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
     capacity = int(settings.device_cache_fraction * pool_tokens)
 
@@ -128,9 +141,7 @@ def build_tree_cache(ctx: Any) -> Any:
         lower, shutdown = _lower_tiers(settings, fingerprint, spec, metrics, record_layout(kv))
     ratios = None
     if settings.calibrate and lower is not None:
-        from sgl_pic.integration.calibration import calibrate_tiers
-
-        ratios = calibrate_tiers(settings, hf)
+        ratios = calibrate_for_server(settings, hf, cache_pool, ctx)
         for tier, r in ratios.items():
             metrics.calibrated_r.labels(tier=tier).set(r)
     if not settings.secret:
@@ -169,6 +180,14 @@ def build_tree_cache(ctx: Any) -> Any:
         _on_bypass,
         _phases.attention_end,
     )
+    if (
+        type(getattr(runner, "prefill_cuda_graph_runner", None)).__name__
+        == "PrefillCudaGraphRunner"
+    ):
+        logger.info(
+            "sgl_pic: SGLang's prefill CUDA graphs stay on for batches without chunked "
+            "requests; batches with chunked requests run eagerly"
+        )
     signer = MarkSigner(settings.secret) if settings.secret else None
     _gate = AdmissionGate(settings.config, signer, vocab_size, metrics, ratios is not None)
     logger.info(
@@ -188,6 +207,37 @@ def build_tree_cache(ctx: Any) -> Any:
         spec.layout,
     )
     return cache
+
+
+def prepare_kernels(device: torch.device) -> Any:
+    """Builds or loads the CUDA kernels once, at start-up on the scheduler, for a pool on
+    a CUDA device (never inside a forward); returns their status, None on other devices."""
+    if device.type != "cuda":
+        return None
+    from sgl_pic.ops.cuda import prepare
+
+    status = prepare(device)
+    logger.info("sgl_pic CUDA kernels on %s: %s", device, status)
+    return status
+
+
+def calibrate_for_server(settings: Any, hf: Any, cache_pool: Any, ctx: Any) -> dict[str, float]:
+    """``--pic-calibrate`` on the scheduler: timed on the KV pool's device and dtype, and
+    the same r per tier on every tensor-parallel rank (rank 0 measures; the others take
+    its values through the all-reduce), so the ranks' recompute sets and collectives
+    match."""
+    from sgl_pic.integration.calibration import calibrate_tiers
+
+    kb = cache_pool.get_key_buffer(0)  # [slots, num_kv_heads, head_dim]
+    tp = int(getattr(ctx, "tp_size", 1) or 1)
+    return calibrate_tiers(
+        settings,
+        hf,
+        device=str(kb.device),
+        dtype=kb.dtype,
+        reduce=_tp_sum if tp > 1 else None,
+        rank=int(getattr(ctx, "tp_rank", 0) or 0),
+    )
 
 
 def record_layout(kv: Any) -> Any:
@@ -362,6 +412,24 @@ def _torch_native_extend_hook(
 
     groups = _phases.row_groups()
     return torch_native_phase_extend(backend, q, k, v, layer, forward_batch, groups, save_kv_cache)
+
+
+def _prefill_graph_hook(
+    original: Any, graph_runner: Any, forward_batch: Any, *a: Any, **kw: Any
+) -> bool:
+    """AROUND hook on PrefillCudaGraphRunner.can_run_graph: a batch carrying chunked
+    requests of this process's executor runs eagerly, where the decoder-stack wrapper hands
+    it to the executor (a replayed graph would bypass the wrapper and prefill it exactly);
+    every other batch is SGLang's decision. The eager path is the one SGLang itself takes
+    for batches its graphs cannot run, on the same attention backend, which every replay
+    plans afresh."""
+    handoff = _executor.handoff if _executor is not None else None
+    if handoff:
+        rids = getattr(forward_batch, "rids", None)
+        # No request ids: whether it carries chunked requests is unknown, so eager.
+        if rids is None or any(rid in handoff for rid in rids):
+            return False
+    return original(graph_runner, forward_batch, *a, **kw)
 
 
 def _tp_sum(t: torch.Tensor) -> torch.Tensor:

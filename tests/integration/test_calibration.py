@@ -93,3 +93,69 @@ def test_cacheblend_loads_host_chunks_whole(served: tuple[Server, str]) -> None:
     assert d["sgl_pic_failures_total"] == 0
     # CacheBlend compares against every reused token, so its chunks are loaded whole.
     assert 0 < d["sgl_pic_bytes_loaded_total"] == d["sgl_pic_bytes_dense_total"]
+
+
+def test_calibration_waits_for_the_device_it_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA kernels run asynchronously: a timer that does not wait times their launch."""
+    from sgl_pic.calibrate import MatmulProxy, ModelShape, device_sync, time_call
+
+    waits: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: waits.append(d))
+    time_call(lambda: None, repeats=3, warmup=1, sync=device_sync("cuda:1"))
+    assert waits == [torch.device("cuda:1")] * 6  # before and after each timed run
+    waits.clear()
+    time_call(lambda: None, repeats=3, sync=device_sync("cpu"))
+    assert waits == []
+    # The compute proxy lives on the device, in the model's dtype.
+    proxy = MatmulProxy(ModelShape(), device="meta", dtype=torch.bfloat16)
+    out = proxy(16)
+    assert out.device.type == "meta" and out.dtype == torch.bfloat16 and out.shape == (16, 576)
+
+
+def test_the_server_calibrates_on_the_pools_device_and_ranks_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each tensor-parallel rank gets rank 0's ratios (a two-rank sum over threads stands
+    in for the all-reduce); only rank 0 measures, on the KV pool's device and dtype."""
+    import threading
+    from types import SimpleNamespace
+
+    from sgl_pic.config import PicConfig
+    from sgl_pic.integration import calibration, plugin
+    from sgl_pic.integration.settings import PicServerSettings
+
+    measured: list[tuple[int, str, torch.dtype]] = []
+
+    def measure(settings: object, hf: object, device: str, dtype: torch.dtype) -> dict:
+        measured.append((rank_of[threading.get_ident()], device, dtype))
+        return {"device": 0.3, "host": 0.42, "disk": 0.61}
+
+    monkeypatch.setattr(calibration, "_measure", measure)
+    parts: list[torch.Tensor] = []
+    barrier = threading.Barrier(2)
+
+    def two_rank_sum(t: torch.Tensor) -> torch.Tensor:
+        parts.append(t.clone())
+        barrier.wait()
+        total = parts[0] + parts[1]
+        barrier.wait()
+        return total
+
+    monkeypatch.setattr(plugin, "_tp_sum", two_rank_sum)
+    settings = PicServerSettings(PicConfig(), host_cache_mb=4, calibrate=True)
+    pool = SimpleNamespace(get_key_buffer=lambda _i: torch.zeros(4, 2, 8, dtype=torch.float16))
+    rank_of: dict[int, int] = {}
+    got: dict[int, dict[str, float]] = {}
+
+    def rank(r: int) -> None:
+        rank_of[threading.get_ident()] = r
+        ctx = SimpleNamespace(tp_size=2, tp_rank=r)
+        got[r] = plugin.calibrate_for_server(settings, None, pool, ctx)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert measured == [(0, "cpu", torch.float16)]
+    assert got[0] == got[1] and got[0] == pytest.approx({"device": 0.3, "host": 0.42, "disk": 0.61})

@@ -4,6 +4,7 @@ and the wrapper hands extend batches to the executor and nothing else."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,6 +12,9 @@ import pytest
 import torch
 
 from sgl_pic.integration.model_hooks import SUPPORTED_BACKENDS, check_support, install
+
+# check_support reads arguments through SGLang's resolved_view.
+pytestmark = pytest.mark.sglang
 
 
 class MHATokenToKVPool:  # the class name is what the check reads
@@ -121,6 +125,24 @@ def test_covered_backends_pass(backend: str) -> None:
 def test_uncovered_servers_are_refused_with_a_reason(c: Any, reason: str) -> None:
     support = check_support(c)
     assert not support.ok and support.reason == reason and support.detail
+    # Every refusal says what lifts it: a flag, or that the model itself is not covered.
+    assert re.search(r"lifted by (dropping )?--|no server flag lifts it", support.detail)
+
+
+def test_a_guarded_prefill_graph_runner_is_served_and_an_unguarded_one_refused() -> None:
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import (
+        PrefillCudaGraphRunner,
+    )
+
+    c = ctx()
+    c.tp_worker.model_runner.prefill_cuda_graph_runner = object.__new__(PrefillCudaGraphRunner)
+    assert check_support(c, lambda _r: True).ok
+    support = check_support(c, lambda _r: False)
+    assert support.reason == "prefill_graph"
+    assert "--cuda-graph-backend-prefill disabled" in support.detail
 
 
 def test_sglang_defaults_for_tiers_and_disaggregation_pass() -> None:

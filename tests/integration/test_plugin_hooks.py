@@ -177,3 +177,100 @@ def test_a_refused_server_gets_sglangs_own_tree(monkeypatch: pytest.MonkeyPatch)
     assert plugin.build_tree_cache(c) is c and built == [c]
     assert plugin._executor is None and plugin._gate is not None
     assert plugin._gate.signer is None and refused == {"kv_tiers": 1}
+
+
+def test_batches_with_chunked_requests_are_kept_off_the_prefill_graph(
+    executor: FakeExecutor,
+) -> None:
+    asked: list[Any] = []
+
+    def can_run_graph(_runner: Any, fb: Any) -> bool:
+        asked.append(fb)
+        return True
+
+    layout = PromptLayout.from_spans(6, [[0, 4]])
+    executor.handoff = {"a": Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))}
+    chunked = SimpleNamespace(rids=["x", "a"])
+    plain = SimpleNamespace(rids=["x", "y"])
+    assert plugin._prefill_graph_hook(can_run_graph, None, chunked) is False
+    assert plugin._prefill_graph_hook(can_run_graph, None, plain) is True
+    assert plugin._prefill_graph_hook(can_run_graph, None, SimpleNamespace(rids=None)) is False
+    executor.handoff = {}
+    assert plugin._prefill_graph_hook(can_run_graph, None, chunked) is True
+    assert asked == [plain, chunked]  # SGLang decides every batch without chunked requests
+
+
+def test_the_guard_is_seen_through_sglangs_hook_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Applied by SGLang's real HookRegistry to its real runner class, the hook is found
+    by ``model_hooks.graph_guarded`` and runs on the runner's ``can_run_graph``."""
+    from collections import defaultdict
+
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import (
+        PrefillCudaGraphRunner,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sgl_pic.integration.model_hooks import graph_guarded
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    # Put back whatever the class had, once the test is done.
+    monkeypatch.setattr(
+        PrefillCudaGraphRunner, "can_run_graph", PrefillCudaGraphRunner.can_run_graph
+    )
+    runner = object.__new__(PrefillCudaGraphRunner)
+    assert not graph_guarded(runner)
+    HookRegistry.register(plugin.PREFILL_GRAPH_TARGET, plugin._prefill_graph_hook, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    assert graph_guarded(runner)
+    layout = PromptLayout.from_spans(6, [[0, 4]])
+    ex = FakeExecutor()
+    ex.handoff = {"a": Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))}
+    monkeypatch.setattr(plugin, "_executor", ex)
+    assert runner.can_run_graph(SimpleNamespace(rids=["a"])) is False
+
+
+def test_a_pool_paged_unlike_the_chunk_starts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang may resolve a page size the launcher did not pad chunk starts to; reuse is
+    then refused (SGLang's own tree serves) with the flag that lifts it."""
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+    from sglang.srt.mem_cache import registry
+
+    from sgl_pic.integration import metrics
+    from tests.integration.fakes import FakeAllocator
+    from tests.integration.test_model_hooks import MHATokenToKVPool, ctx
+
+    built: list[Any] = []
+    monkeypatch.setattr(registry, "default_radix_cache_factory", lambda c: built.append(c) or c)
+    refused: dict[str, float] = {}
+    gauge = SimpleNamespace(
+        labels=lambda reason: SimpleNamespace(set=lambda v: refused.__setitem__(reason, v))
+    )
+    monkeypatch.setattr(metrics, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
+    monkeypatch.setattr(plugin, "_gate", None)
+    monkeypatch.setattr(plugin, "_executor", None)
+    monkeypatch.delenv("SGLPIC_SETTINGS", raising=False)  # page size 1, the default
+    c = ctx("flashinfer")
+    allocator = FakeAllocator(8, page_size=16)
+    allocator.get_kvcache = MHATokenToKVPool  # type: ignore[attr-defined]
+    c.params.token_to_kv_pool_allocator = allocator
+    c.model_config.vocab_size = 100
+    assert plugin.build_tree_cache(c) is c and built == [c]
+    assert refused == {"page_size": 1} and plugin._executor is None
+
+
+def test_kernels_are_prepared_once_at_start_up_for_a_cuda_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sgl_pic.ops import cuda
+
+    calls: list[torch.device] = []
+    monkeypatch.setattr(cuda, "prepare", lambda d: calls.append(d) or "ready", raising=False)
+    assert plugin.prepare_kernels(torch.device("cpu")) is None and calls == []
+    assert plugin.prepare_kernels(torch.device("cuda", 1)) == "ready"
+    assert calls == [torch.device("cuda", 1)]

@@ -1,0 +1,177 @@
+"""What the chunk path needs of SGLang's resolved server arguments, and which flag lifts
+each refusal.
+
+SGLang 0.5.23 resolves its arguments into a stash of declarations beside the raw record
+(``ServerArgs.resolve_once``; ``arg_groups.model_override_base.resolved_view`` reads
+through it): a default launch leaves ``attention_backend``, ``page_size`` and the CUDA
+graph config unset on the record itself. Every check here reads the resolved view, so the
+launcher (before the model loads) and the scheduler (``model_hooks.check_support``, at
+tree-cache build) decide on the values SGLang actually serves with.
+
+Pure functions of their arguments; they change nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+# Backends whose extend reads keys through req_to_token rows with per-sequence prefix
+# lengths, which is all a phase batch is.
+SUPPORTED_BACKENDS = frozenset({"torch_native", "flashinfer", "fa3", "triton"})
+# Prefill CUDA graph backends the chunk path runs beside: batches with chunked requests
+# are kept off the graph (``plugin._prefill_graph_hook``) and run eagerly.
+PREFILL_GRAPH_BACKENDS = frozenset({"disabled", "breakable", "full"})
+KV_CACHE_DTYPES = frozenset({"auto", "float32", "float16", "bfloat16"})
+NO_FLAG = "a property of the model: no server flag lifts it (--pic-disable serves it plainly)"
+
+
+class Support(NamedTuple):
+    """``reason`` is a metric label (one word) and ``detail`` the log line's text, naming
+    the flag that would lift the refusal; both empty when the chunk path can serve."""
+
+    reason: str
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
+
+
+OK = Support("", "")
+
+
+def resolved(args: Any) -> Any:
+    """``args`` as SGLang resolved it (its declarations over the raw fields); a record
+    without declarations (not yet resolved, or a stand-in) reads as it is."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    return resolved_view(args)
+
+
+def attention_backends(view: Any) -> tuple[str | None, str | None]:
+    """(prefill, decode) backend of a resolved view; a split field falls back to
+    ``attention_backend`` as SGLang's ``attention_backends_of`` does."""
+    base = getattr(view, "attention_backend", None)
+    prefill = getattr(view, "prefill_attention_backend", None) or base
+    decode = getattr(view, "decode_attention_backend", None) or base
+    return prefill, decode
+
+
+def check_args(args: Any) -> Support:
+    """The server-argument part of the support check, on the resolved values."""
+    v = resolved(args)
+    prefill, decode = attention_backends(v)
+    for flag, backend in (
+        ("--prefill-attention-backend", prefill),
+        ("--decode-attention-backend", decode),
+    ):
+        if backend is not None and backend not in SUPPORTED_BACKENDS:
+            return Support(
+                "backend",
+                f"attention backend {backend!r} is not one of {sorted(SUPPORTED_BACKENDS)}; "
+                f"lifted by --attention-backend (or {flag}) "
+                f"{'|'.join(sorted(SUPPORTED_BACKENDS))}",
+            )
+    if int(getattr(v, "pp_size", 1) or 1) > 1:
+        return Support("parallelism", "pipeline parallelism; lifted by --pp-size 1")
+    if getattr(v, "enable_dp_attention", False):
+        return Support("parallelism", "DP attention; lifted by dropping --enable-dp-attention")
+    if getattr(v, "speculative_algorithm", None):
+        return Support(
+            "speculative", "speculative decoding; lifted by dropping --speculative-algorithm"
+        )
+    if getattr(v, "enable_lora", False) or getattr(v, "lora_paths", None):
+        # LoRA layers read batch info prepared for the live batch's segments.
+        return Support("lora", "LoRA adapters; lifted by dropping --enable-lora / --lora-paths")
+    if getattr(v, "enable_two_batch_overlap", False):
+        return Support(
+            "parallelism", "two-batch overlap; lifted by dropping --enable-two-batch-overlap"
+        )
+    if int(getattr(v, "attn_cp_size", 1) or 1) > 1:
+        return Support("parallelism", "context parallelism; lifted by --attn-cp-size 1")
+    tiers = sglang_kv_tiers(v)
+    if tiers:
+        return Support(
+            "kv_tiers",
+            f"SGLang's own KV tiers or connectors ({', '.join(tiers)}); lifted by dropping "
+            f"{' and '.join(t.split('=')[0] for t in tiers)}",
+        )
+    if str(getattr(v, "disaggregation_mode", "null") or "null") != "null":
+        return Support(
+            "disaggregation", "prefill-decode disaggregation; lifted by --disaggregation-mode null"
+        )
+    kv_dtype = str(getattr(v, "kv_cache_dtype", "auto") or "auto")
+    if kv_dtype not in KV_CACHE_DTYPES:
+        return Support(
+            "kv_dtype",
+            f"KV cache dtype {kv_dtype} (quantized KV is not covered); "
+            "lifted by --kv-cache-dtype auto",
+        )
+    graphs = getattr(v, "cuda_graph_config", None)
+    prefill_graph = getattr(getattr(graphs, "prefill", None), "backend", None)
+    if prefill_graph is not None and prefill_graph not in PREFILL_GRAPH_BACKENDS:
+        return Support(
+            "prefill_graph",
+            f"prefill CUDA graph backend {prefill_graph!r}; "
+            "lifted by --cuda-graph-backend-prefill disabled",
+        )
+    return OK
+
+
+def sglang_kv_tiers(args: Any) -> list[str]:
+    """The SGLang flags that put its own KV tiers or connectors under the radix tree.
+    Chunk reuse is not combined with them: they have not run together (SGLang's
+    HiCache does not run on the CPU at all), HiCache would write approximate KV to its
+    host and storage tiers, and LMCache or FlexKV would be dropped without a word, since
+    the sgl_pic tree takes the radix-cache factory they are built by."""
+    on = [
+        flag
+        for flag in (
+            "enable_hierarchical_cache",
+            "enable_lmcache",
+            "enable_flexkv",
+            "enable_unified_cache_external_linker",
+        )
+        if getattr(args, flag, False)
+    ]
+    if getattr(args, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        on.append("disaggregation_decode_retraction_backup=host_pool")
+    return ["--" + f.replace("_", "-") for f in on]
+
+
+def pool_page_size(ctx: Any) -> int:
+    """The page size of the KV allocator SGLang built (``ctx``: its tree-cache build
+    context); every allocator and ``CacheInitParams`` carry ``page_size``."""
+    allocator = ctx.params.token_to_kv_pool_allocator
+    return int(getattr(allocator, "page_size", None) or getattr(ctx.params, "page_size", 1) or 1)
+
+
+def check_page_size(configured: int, ctx: Any) -> Support:
+    """Chunk starts are padded to ``configured`` (the launcher's page size) by the HTTP
+    side; the pool pages at its own size. They must agree, or phase-1 scratch rows and
+    stored chunks would straddle pages the backend reads page-strided."""
+    pool = pool_page_size(ctx)
+    tree = int(getattr(ctx.params, "page_size", pool) or pool)
+    if configured == pool == tree:
+        return OK
+    return Support(
+        "page_size",
+        f"chunk starts are padded to page size {configured} but the KV pool pages at {pool} "
+        f"(tree {tree}); lifted by --page-size {pool}",
+    )
+
+
+def check_launch(args: Any, page_size: int) -> Support:
+    """The launch-time self-check: ``check_args`` on the resolved arguments, and the page
+    size chunk starts are padded to (``page_size``) against the resolved one."""
+    support = check_args(args)
+    if not support.ok:
+        return support
+    resolved_page = int(getattr(resolved(args), "page_size", None) or 1)
+    if resolved_page != page_size:
+        return Support(
+            "page_size",
+            f"chunk starts are padded to page size {page_size} but SGLang resolved "
+            f"--page-size {resolved_page}; lifted by --page-size {resolved_page}",
+        )
+    return OK
