@@ -135,7 +135,8 @@ def build_tree_cache(ctx: Any) -> Any:
     if settings.has_lower_tiers and spec.inv_freq is None:
         logger.error(
             "sgl_pic: host and disk tiers are off: they store keys by plain RoPE frequencies, "
-            "and this model's rotary table (partial rotary or attention scaling) has none"
+            "and this model's rotary table (partial rotary, attention scaling, or a table that "
+            "is not one set of RoPE frequencies) has none"
         )
     elif settings.has_lower_tiers:
         lower, shutdown = _lower_tiers(settings, fingerprint, spec, metrics, record_layout(kv))
