@@ -46,7 +46,9 @@ def tool(name: str, description: str, **props: str) -> dict[str, Any]:
             "description": description,
             "parameters": {
                 "type": "object",
-                "properties": {k: {"type": v, "description": f"The {k}."} for k, v in props.items()},
+                "properties": {
+                    k: {"type": v, "description": f"The {k}."} for k, v in props.items()
+                },
                 "required": sorted(props),
             },
         },
@@ -57,10 +59,19 @@ TOOLS: list[dict[str, Any]] = [
     tool("search", "Search the travel guide for pages about a subject.", query="string"),
     tool("weather", "Today's weather forecast in a city, in degrees Celsius.", city="string"),
     tool("book", "Book a hotel room in a city for one night.", city="string", date="string"),
-    tool("convert", "Convert an amount of money between two currencies.", amount="number",
-         source="string", target="string"),
-    tool("route", "Find a train route between two cities with its duration.", start="string",
-         end="string"),
+    tool(
+        "convert",
+        "Convert an amount of money between two currencies.",
+        amount="number",
+        source="string",
+        target="string",
+    ),
+    tool(
+        "route",
+        "Find a train route between two cities with its duration.",
+        start="string",
+        end="string",
+    ),
 ]
 
 SYSTEM = "You are a travel agent. Use the tools when they help, and answer briefly."
