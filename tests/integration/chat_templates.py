@@ -137,3 +137,79 @@ def agent_request(rng: random.Random, family: str) -> dict[str, Any]:
     elif rng.random() < 0.3:
         body["reasoning_effort"] = "low"
     return body
+
+
+ALL_ROLES = frozenset({"tool", "document", "user", "assistant"})
+
+
+def translator(name: str, config: Any = None) -> Any:
+    """A translator auto-chunking every role on the tokenizer carrying fixture ``name``."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.integration.http_ext import RequestTranslator
+    from sgl_pic.integration.spans import MarkSigner
+
+    tok = templated(name)
+    config = config or PicConfig(auto_chunk_min_tokens=4)
+    return RequestTranslator(config, lambda: tok, MarkSigner("k"), auto_chunk=ALL_ROLES)
+
+
+def sglang_text(name: str, body: dict[str, Any]) -> tuple[str, str]:
+    """What SGLang's chat path renders for ``body`` with fixture ``name``: the template's
+    text, and the continued final message its tokens are followed by ('' for none)."""
+    from sgl_pic.integration.chat_render import ChatTemplate
+
+    ct = ChatTemplate(templated(name))
+    inputs = ct.inputs(body, {})
+    text, _ = ct.render(inputs)
+    return text, inputs.prefix or ""
+
+
+def boundary_diff(chunked: list[int], plain: list[int]) -> list[tuple[int, int]]:
+    """The blocks where the chunked prompt's ids differ from the plain tokenization's:
+    (tokens on the chunked side, tokens on the plain side) each."""
+    from difflib import SequenceMatcher
+
+    ops = SequenceMatcher(None, chunked, plain, autojunk=False).get_opcodes()
+    return [(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal"]
+
+
+def boundary_counts(name: str, requests: int, seed: int = 0) -> dict[str, Any]:
+    """Over ``requests`` generated agent requests with fixture ``name``: prompt tokens,
+    pieces, text mismatches (must be 0) and the tokens that differ from the plain
+    tokenization of the same text (at piece boundaries)."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.integration.spans import decode
+    from tests.integration.prompts import ids
+
+    rng = random.Random(seed)
+    t = translator(name)
+    tok = templated(name)
+    stats = {
+        "requests": 0,
+        "chunked": 0,
+        "prompt_tokens": 0,
+        "chunks": 0,
+        "text_mismatches": 0,
+        "differing_blocks": 0,
+        "differing_tokens": 0,
+        "largest_block": 0,
+    }
+    for _ in range(requests):
+        body = agent_request(rng, name)
+        out = t.chat(copy.deepcopy(body))
+        stats["requests"] += 1
+        if out is None:
+            continue
+        text, prefix = sglang_text(name, body)
+        plain = ids(text) + (ids(prefix) if prefix else [])
+        chunked = out["input_ids"]
+        if tok.decode(chunked) != text + prefix:
+            stats["text_mismatches"] += 1
+        blocks = boundary_diff(chunked, plain)
+        stats["chunked"] += 1
+        stats["prompt_tokens"] += len(chunked)
+        stats["chunks"] += len(decode(out["custom_params"], PicConfig()).layout.chunks)
+        stats["differing_blocks"] += len(blocks)
+        stats["differing_tokens"] += sum(max(b) for b in blocks)
+        stats["largest_block"] = max([stats["largest_block"], *(max(b) for b in blocks)])
+    return stats
