@@ -102,6 +102,90 @@ def test_template_options_change_the_prompt_and_are_chunked() -> None:
     assert chunks(outs[True]) == chunks(outs[False])
 
 
+def sglang_prompt_ids(name: str, body: dict[str, Any]) -> list[int]:
+    """The prompt ids SGLang's own chat path makes of ``body`` with fixture ``name``:
+    ``OpenAIServingChat._process_messages`` of the installed SGLang, on an instance holding
+    the state its Jinja path reads (a template given as Jinja, no chat encoder, no
+    reasoning parser, the family's tool parser), as its constructor would set it for the
+    tokenizer."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()  # the sgl_kernel / torchvision stand-ins serving_chat imports
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+    from sglang.srt.parser.jinja_template_utils import detect_jinja_template_content_format
+
+    tok = templated(name)
+    serving = object.__new__(OpenAIServingChat)
+    serving.template_manager = SimpleNamespace(
+        jinja_template_content_format=detect_jinja_template_content_format(tok.chat_template),
+        jinja_template_may_reorder_tool_results=False,
+        reasoning_config=None,
+        python_chat_template=None,
+        chat_template_name=None,
+    )
+    serving.tokenizer_manager = SimpleNamespace(tokenizer=tok)
+    serving._encoding_adapter = None
+    serving.chat_encoding_spec = None
+    serving.is_minimax_m3 = serving.is_gpt_oss = serving.is_gemma4 = False
+    serving._prompt_text_round_trip_is_lossy = False
+    serving._tokenizer_auto_adds_specials = len(tok.encode("")) > 0
+    serving._chat_template_cache = OrderedDict()
+    serving.default_chat_template_kwargs = {}
+    serving.reasoning_parser = None
+    serving._reasoning_detector = None
+    serving.tool_call_parser = FAMILIES.get(name)
+    request = ChatCompletionRequest(**copy.deepcopy(body))
+    return list(serving._process_messages(request, is_multimodal=False).prompt_ids)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_the_text_is_what_sglangs_chat_path_renders(name: str) -> None:
+    """SGLang's own chat path, run on the same requests, makes exactly the plain
+    tokenization of the chunked prompt's text: the text is SGLang's prompt."""
+    rng = random.Random(5)
+    t = translator(name)
+    for _ in range(6):
+        body = agent_request(rng, name)
+        text, prefix = sglang_text(name, body)
+        assert sglang_prompt_ids(name, body) == ids(text) + (ids(prefix) if prefix else [])
+        out = t.chat(copy.deepcopy(body))
+        if out is not None:
+            assert tokenizer().decode(out["input_ids"]) == text + prefix
+
+
+def test_the_mirrored_helpers_agree_with_sglangs() -> None:
+    """chat_render's copies of two serving_chat helpers (importing serving_chat pulls in
+    SGLang's model tree) do what the originals do."""
+    from sgl_pic.integration.chat_render import decode_tool_call_arguments, join_tool_content
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+    from sgl_pic.layout import LayoutError
+
+    activate_cpu_stubs()
+    from sglang.srt.entrypoints.openai.serving_chat import (
+        normalize_assistant_tool_call_arguments,
+        normalize_tool_content,
+    )
+
+    for content in ([{"type": "text", "text": "a"}, "b"], [{"type": "image"}], "x", None):
+        for role in ("tool", "user"):
+            assert join_tool_content(role, content) == normalize_tool_content(role, content)
+    for args in ('{"q": 1}', "[1]", "not json", '{"big": 1e3, "s": "\\u00e9"}'):
+        msg = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}
+        mine, theirs = copy.deepcopy(msg), copy.deepcopy(msg)
+        try:
+            normalize_assistant_tool_call_arguments(theirs, strict=True)
+        except ValueError as e:
+            with pytest.raises(LayoutError, match=str(e)[:30]):
+                decode_tool_call_arguments(mine)
+            continue
+        decode_tool_call_arguments(mine)
+        assert mine == theirs
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_tool_seen_before_in_another_order_or_subset_gives_the_same_chunk(name: str) -> None:
     t = translator(name)
