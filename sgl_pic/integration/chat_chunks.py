@@ -48,6 +48,7 @@ SGLang's templating: refused with marks, left to SGLang under auto-chunking (the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from itertools import pairwise
@@ -215,6 +216,12 @@ def chat_prompt(
         )
     check_tools(body.get("tools"), body.get("tool_choice"))
     try:
+        if holds_reserved(json.dumps([messages, body.get("tools")], ensure_ascii=False)):
+            # Text that would read as markers in the marked rendering.
+            raise _Unrenderable(
+                "the request holds private-use code points U+E000..U+E006, which chunk "
+                "rendering reserves"
+            )
         plan = _plan(messages, roles)
     except _Unrenderable:
         if marked:
@@ -387,16 +394,9 @@ def _content(
 
 def _piece(i: int, text: str, mark: bool | None, auto: bool, chosen: bool) -> Piece | None:
     """A text's piece: the client's chunk, a chunk made here, tokenized on its own, or None
-    (fresh: not auto-chunked, empty, or holding the markers' reserved code points)."""
+    (fresh: not auto-chunked, or empty)."""
     if mark and not text:
         raise LayoutError(f"message {i}: a marked chunk is empty")
-    if holds_reserved(text):
-        if mark:
-            raise _Unrenderable(
-                f"message {i} holds private-use code points U+E000..U+E006, which chunk "
-                "rendering reserves"
-            )
-        return None
     if mark:
         return Piece(text, PieceKind.MARKED)
     if not (auto and text):
