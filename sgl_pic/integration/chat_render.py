@@ -25,6 +25,7 @@ Called on the HTTP server's side.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -161,6 +162,15 @@ def _effective_tools(request: Any) -> list[Any]:
     return tools
 
 
+@functools.lru_cache(maxsize=16)
+def _content_format(template: str) -> str:
+    """SGLang's reading of whether ``template`` takes content as a string or as OpenAI's
+    list (``TemplateManager`` reads it once per server; cached here by template text)."""
+    from sglang.srt.parser.jinja_template_utils import detect_jinja_template_content_format
+
+    return detect_jinja_template_content_format(template)
+
+
 def flat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Function-only tools: SGLang's second try for templates that fail on the wrapper."""
     return [t.get("function", t) for t in tools] if tools else None
@@ -181,12 +191,8 @@ class ChatTemplate:
 
     def inputs(self, body: Mapping[str, Any], defaults: Mapping[str, Any]) -> ChatInputs:
         """``chat_inputs`` of ``body`` for this template."""
-        from sglang.srt.parser.jinja_template_utils import detect_jinja_template_content_format
-
         template = self.template
-        content_format = (
-            "string" if template is None else detect_jinja_template_content_format(template)
-        )
+        content_format = "string" if template is None else _content_format(template)
         return chat_inputs(body, content_format, defaults)
 
     def render(self, inputs: ChatInputs) -> tuple[str, list[dict[str, Any]] | None]:
