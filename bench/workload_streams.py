@@ -10,9 +10,11 @@ caching), over the same text.
   memory notes (``name: "document"`` messages at the front) come back reordered, which
   breaks the prefix of everything after them.
 - ``tools``: OpenAI chat with a random subset of synthetic tool schemas in random order, and
-  a question. sgl-pic sends ``tools`` (one chunk per schema); the baseline gets the same
-  text, which SmolLM2's chat template would not render from ``tools``, in its system
-  message.
+  a question. Both forms send ``tools``; the servers of ``agent`` and ``tools`` run the
+  embedded model with a tool-aware chat template (``tool_template_model``: the Qwen2.5
+  fixture of tests/integration/templates, which renders the tools in a <tools> section), so
+  SGLang renders them in the baseline and sgl-pic finds each schema in the same rendering
+  and makes it a chunk.
 - ``fewshot``: /generate, an instruction, 6 of 12 demonstrations (passage, question,
   answer) in a random order each time, and a question.
 
@@ -28,10 +30,13 @@ import random
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sgl_pic.integration.chat_chunks import TOOLS_HEADER, tool_texts
 from sgl_pic.prompts import load_rag_examples, truncate_tokens
 
 DELIM = "<|pic_chunk|>"
+ROOT = Path(__file__).resolve().parents[1]
+# The chat template the servers of these workloads carry: one of the tests' fixtures.
+TOOL_TEMPLATE = ROOT / "tests" / "integration" / "templates" / "qwen25.jinja"
+TEMPLATED_WORKLOADS = ("agent", "tools")
 SYSTEM = "You are a helpful assistant. Use the context to answer in a few words."
 
 
@@ -88,16 +93,33 @@ class Streams:
             "temperature": 0,
             "max_tokens": self.max_new_tokens,
         }
-        pic = {**body, "pic": {"auto_chunk": True}}
-        base = dict(body)
         if tools:
-            pic["tools"] = tools
-            # The text sgl-pic renders for them, in the baseline's system message.
-            block = TOOLS_HEADER + "".join(t + "\n" for t in tool_texts(tools, None))
-            first = dict(messages[0])
-            first["content"] = first["content"] + "\n\n" + block
-            base["messages"] = [first, *messages[1:]]
-        return Request("chat", pic, base)
+            body["tools"] = tools  # the server's template renders them, in both forms
+        return Request("chat", {**body, "pic": {"auto_chunk": True}}, body)
+
+
+def tool_template_model(template: Path = TOOL_TEMPLATE) -> Path:
+    """The embedded model carrying ``template`` as its chat template: a directory beside it
+    of links to its files, with its own ``chat_template.jinja`` (made once, rewritten when
+    the template changed). The servers of ``TEMPLATED_WORKLOADS`` run it."""
+    from sgl_pic.model.embedded import ensure_embedded_model
+
+    src = ensure_embedded_model().path
+    dest = src.parent / f"{src.name}-{template.stem}-template"
+    dest.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        link = dest / f.name
+        if f.name in ("chat_template.jinja", "tokenizer_config.json") or link.exists():
+            continue
+        link.symlink_to(f)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)  # the .jinja file holds it
+    (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    text = template.read_text()
+    jinja = dest / "chat_template.jinja"
+    if not jinja.exists() or jinja.read_text() != text:
+        jinja.write_text(text)
+    return dest
 
 
 def _zipf(rng: random.Random, n: int, s: float = 1.0) -> int:

@@ -110,7 +110,15 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import ROOT, Client, delta, git_state, launch, metric  # noqa: E402
-from workload_streams import WORKLOADS, Request, Session, Streams, server_warmup  # noqa: E402
+from workload_streams import (  # noqa: E402
+    TEMPLATED_WORKLOADS,
+    WORKLOADS,
+    Request,
+    Session,
+    Streams,
+    server_warmup,
+    tool_template_model,
+)
 
 from sgl_pic.integration.forward_timer import (  # noqa: E402
     FORWARDS_METRIC,
@@ -415,6 +423,14 @@ def config_flags(server_args: str, config: str) -> list[str]:
     return flags + VARIANTS.get(config, [])
 
 
+def model_flags(workload: str) -> list[str]:
+    """The model a workload's servers run: for the chat workloads with tools, the embedded
+    model with a tool-aware chat template (``tool_template_model``), else the default."""
+    if workload in TEMPLATED_WORKLOADS:
+        return ["--model-path", str(tool_template_model())]
+    return []
+
+
 def config_form(config: str) -> str:
     """Which body of each request a configuration sends: "base" (unmarked) or "pic"."""
     return "base" if config.startswith("prefix_caching") else "pic"
@@ -427,7 +443,7 @@ def run_one(
     config: str,
     warmup: list[Request],
 ) -> dict:
-    flags = config_flags(args.server_args, config)
+    flags = config_flags(args.server_args, config) + model_flags(name)
     print(f"== {name} / {config}", flush=True)
     with launch(flags) as client:
         warm_s = warm_up(client, warmup)
@@ -463,7 +479,8 @@ def run_interleaved(
         clients: dict[str, Client] = {}
         for c in configs:
             print(f"== {name} / {c} (interleaved, {len(blocks)} blocks)", flush=True)
-            clients[c] = stack.enter_context(launch(config_flags(args.server_args, c)))
+            flags = config_flags(args.server_args, c) + model_flags(name)
+            clients[c] = stack.enter_context(launch(flags))
             clients[c].pause()
             # Resumed before the server is killed: a stopped process does not act on SIGTERM.
             stack.callback(clients[c].resume)

@@ -1,8 +1,12 @@
-"""Turning an OpenAI chat request into delimited messages: which text becomes a chunk.
+"""Turning an OpenAI chat request into chunks of the prompt the model's template renders.
 
-``RequestTranslator.chat`` renders the model's chat template itself, with chunk text wrapped
-in delimiters, tokenizes the prompt piecewise (``split_on_delimiter``: each delimited piece
-on its own) and sends SGLang ``input_ids``. This module decides the pieces.
+``RequestTranslator.chat`` renders the request with the model's chat template exactly as
+SGLang's chat path would (``chat_render``: messages, tools, ``tool_choice`` and template
+options such as ``chat_template_kwargs``, ``reasoning_effort``, ``continue_final_message``),
+finds the pieces in that text (``template_spans``), tokenizes each piece on its own and the
+text between them as it stands, and sends SGLang ``input_ids``. This module decides the
+pieces. The prompt text is the template's, byte for byte; only the tokenization differs
+(at piece boundaries).
 
 Chunks a client marks (``"pic_chunk": true`` on a message or on a text item) are taken as
 sent; ``"pic_chunk": false`` keeps a message out of auto-chunking. Auto-chunking
@@ -27,39 +31,40 @@ tokenized on its own, so its windows, and their cache keys, are the same whereve
 appears, whatever precedes it, and an edit inside it changes only the windows around the
 edit.
 
-Tool schemas: when chunks apply (a mark, or auto-chunking on) and the request carries
-``tools``, each tool the template would show (all, none for ``tool_choice: "none"``, the
-named one for a named choice) is rendered as canonical JSON (sorted keys) on its own line,
-one chunk each (one shorter than ``auto_chunk_min_tokens`` stays fresh, as any such text),
-after a fixed header, at the end of the first system message (a system message is added in
-front when the first message is not one). Its tokens depend on that tool alone, whatever
-the order or subset of tools. The chat template never sees ``tools``.
-SGLang keeps them in the request: given ``input_ids`` it renders no prompt from them and
-only uses them to parse tool calls and build tool-choice constraints.
+Tool schemas: when chunks apply (a mark, or auto-chunking on), each tool the template shows
+is a chunk made here (fresh when short), its text being the template's own serialisation of
+it (``tojson``), which depends on that tool alone whatever the order or subset of tools. A
+template that serialises tools otherwise leaves them fresh. SGLang keeps ``tools`` in the
+request: given ``input_ids`` it renders no prompt from them and uses them to parse tool
+calls and build tool-choice constraints, as for a request it rendered.
 
-A request auto-chunking cannot render (a content item other than text, text containing the
-delimiter, a template that fails or does not render message text verbatim) is left to SGLang
-unchunked; with chunks the client marked, the same is an error (HTTP 400). Malformed
-requests (bad ``pic`` options, messages or tools) are errors either way.
-
-The prompt is the one SGLang's own chat path would render, apart from the piecewise
-tokenization: a final assistant message is rendered as a user turn holding its text, as
-SGLang does without ``continue_final_message``. Options that change SGLang's templating
-(``TEMPLATE_OPTIONS``, and ``input_ids``, which replaces it) are not applied here: the caller
-refuses them with chunks the client marked and leaves auto-chunked requests to SGLang.
+A piece the template does not render verbatim (trimmed, rewritten, repeated, dropped) stays
+fresh; a client's mark on such a piece is an error (HTTP 400). A request auto-chunking cannot
+render (a content item other than text, a template that fails) is left to SGLang unchunked;
+with chunks the client marked, the same is an error. Malformed requests (bad ``pic``
+options, messages or tools) are errors either way. A client's ``input_ids`` replace
+SGLang's templating: refused with marks, left to SGLang under auto-chunking (the caller).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from itertools import pairwise
 from typing import Any, NamedTuple
 
 from sgl_pic.config import PicConfig
 from sgl_pic.cut_points import cut_points
-from sgl_pic.integration.spans import LimitError, split_on_delimiter
+from sgl_pic.integration.chat_render import ChatTemplate
+from sgl_pic.integration.spans import LimitError
+from sgl_pic.integration.template_spans import (
+    holds_reserved,
+    locate,
+    sentinel,
+    sentinel_piece,
+    tokenize_spans,
+)
 from sgl_pic.layout import LayoutError, PromptLayout, Span
 
 AUTO_CHUNK_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool", "document")
@@ -67,21 +72,10 @@ AUTO_CHUNK_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant",
 # opens the prompt, where SGLang's prefix cache serves it without being a chunk.
 DEFAULT_AUTO_CHUNK: frozenset[str] = frozenset({"tool", "document", "user", "assistant"})
 DOCUMENT = "document"
-# Chat request fields SGLang's own templating reads (the rendering here does not): a request
-# carrying any of them is left to SGLang, or refused with client marks (``template_options``).
-TEMPLATE_OPTIONS: tuple[str, ...] = (
-    "continue_final_message",
-    "chat_template_kwargs",
-    "reasoning_effort",
-    "reasoning",
-    "thinking",
-    "task",
-)
-TOOLS_HEADER = "You can call these functions; each line is one function's JSON schema:\n"
 
 
 class PieceKind(Enum):
-    """How a delimited piece of the rendered prompt is used."""
+    """How a piece of the rendered prompt is used."""
 
     MARKED = "marked"  # the client's chunk: one chunk, as sent
     AUTO = "auto"  # a chunk made here: windowed; fresh when too short or over the limit
@@ -112,14 +106,6 @@ class ChatPrompt(NamedTuple):
 class _Unrenderable(LayoutError):
     """Valid chat content that cannot carry chunk marks: an error for marked requests,
     plain SGLang for auto-chunked ones."""
-
-
-# A message's content as rendered: fresh text, and pieces wrapped in delimiters.
-_Segments = list[str | Piece]
-# What SGLang puts between the text items of a message's content list for a template that
-# takes content as a string (``process_content_for_template_format``), the embedded
-# model's among them.
-ITEM_SEPARATOR = " "
 
 
 def parse_roles(value: str) -> frozenset[str]:
@@ -171,15 +157,6 @@ def chat_options(pic: Any, server_roles: frozenset[str]) -> ChatOptions:
     return ChatOptions(roles, pic.get("config"))
 
 
-def template_options(body: dict[str, Any]) -> list[str]:
-    """The ``TEMPLATE_OPTIONS`` a chat body sets (absent, null, false or {} sets none)."""
-    return [
-        k
-        for k in TEMPLATE_OPTIONS
-        if not (body.get(k) is None or body.get(k) is False or body.get(k) == {})
-    ]
-
-
 def has_chat_marks(messages: Sequence[Any]) -> bool:
     """Whether the client marked a message or a text item with ``"pic_chunk": true``."""
     for msg in messages:
@@ -209,24 +186,23 @@ def client_marks(messages: Sequence[Any]) -> int:
 
 
 def chat_prompt(
-    messages: Any,
-    tools: Any,
-    tool_choice: Any,
+    body: dict[str, Any],
     roles: frozenset[str],
     config: PicConfig,
-    render: Callable[[list[dict[str, Any]]], str],
+    template: ChatTemplate,
     tokenize: Callable[[str], list[int]],
-    string_content: bool = True,
+    defaults: Mapping[str, Any] | None = None,
 ) -> ChatPrompt | None:
-    """The chunked prompt of a chat request, or None when it gets no chunks (nothing marked
-    and auto-chunking off, or auto-chunking found nothing to mark or cannot render it:
+    """The chunked prompt of chat ``body``, or None when it gets no chunks (nothing marked
+    and auto-chunking off, nothing found to mark, or a request auto-chunking cannot render:
     SGLang then serves it as it is).
 
-    ``render(messages)`` is the chat template (text, with the generation prompt);
-    ``tokenize(text)`` tokenizes without special tokens; ``string_content``: whether the
-    template takes content as a string (content lists are rendered only for such). Raises
-    LayoutError for anything malformed, and for marked requests the template cannot carry
-    (see the module doc)."""
+    The prompt's text is ``template``'s rendering of the request as SGLang's chat path
+    renders it (``chat_render``; ``defaults``: the server's default template options),
+    byte for byte; the pieces are found in it (``template_spans``) and each tokenized on
+    its own (``tokenize``: without special tokens). Raises LayoutError for anything
+    malformed, and for marked pieces the template does not render verbatim."""
+    messages = body.get("messages")
     if not isinstance(messages, list):
         return None
     marked = has_chat_marks(messages)
@@ -235,106 +211,123 @@ def chat_prompt(
     if marked and (count := client_marks(messages)) > config.max_chunks:
         # Before rendering and tokenizing piece by piece (in the server's event loop).
         raise LimitError(
-            f"{count} chunks marked; this server takes at most {config.max_chunks} per "
-            "request (--pic-max-chunks)"
+            f"{count} chunks marked; this server takes at most {config.max_chunks} "
+            "per request (--pic-max-chunks)"
         )
-    d = config.delimiter
+    check_tools(body.get("tools"), body.get("tool_choice"))
     try:
-        chat = _delimited_messages(messages, tools, tool_choice, roles, d, string_content)
-        prompt = _template(render, chat, d)
+        if holds_reserved(json.dumps([messages, body.get("tools")], ensure_ascii=False)):
+            # Text that would read as markers in the marked rendering.
+            raise _Unrenderable(
+                "the request holds private-use code points U+E000..U+E006, which chunk "
+                "rendering reserves"
+            )
+        plan = _plan(messages, roles)
     except _Unrenderable:
         if marked:
             raise
         return None
-    # The template already holds its special tokens as text.
-    ids, layout = split_on_delimiter(prompt, d, tokenize)
-    spans = _chunk_spans(ids, layout.chunks, chat.pieces, config)
-    if not spans:
+    defaults = defaults or {}
+    real = template.inputs(_body(body, plan, frozenset()), defaults)
+    try:
+        text, tools = template.render(real)
+    except Exception as e:  # noqa: BLE001 - a chat template is the model's code, any error
+        if marked:
+            raise LayoutError(f"the chat template failed on the request: {e}") from e
+        return None  # SGLang answers it
+    n = len(plan.pieces)
+    kinds = [p.kind for p in plan.pieces] + [PieceKind.AUTO] * len(tools or ())
+    every = frozenset(range(n))
+    marked_inputs = template.inputs(_body(body, plan, every), defaults)
+    prefix_piece = sentinel_piece(marked_inputs.prefix)
+
+    def attempt(subset: frozenset[int]) -> str:
+        inputs = (
+            marked_inputs
+            if subset >= every
+            else template.inputs(_body(body, plan, subset & every), defaults)
+        )
+        contents = {k: plan.pieces[k].text for k in subset if k < n}
+        tool_pieces = {k - n: k for k in subset if k >= n}
+        return template.render_marked(inputs, tools, tool_pieces, contents)
+
+    wanted = [k for k in range(n + len(tools or ())) if k != prefix_piece]
+    spans = locate(text, attempt, wanted)
+    found = {s.piece for s in spans}
+    for k in wanted:
+        if k < n and plan.pieces[k].kind is PieceKind.MARKED and k not in found:
+            raise LayoutError(
+                f"message {plan.owners[k]}: the chat template does not render its marked text "
+                "verbatim (it drops, trims, repeats or rewrites it), so it cannot be a chunk"
+            )
+    ids, ranges = tokenize_spans(text, spans, tokenize)
+    pieces = [(Span(*r), kinds[s.piece]) for s, r in zip(spans, ranges, strict=True)]
+    if real.prefix:
+        # continue_final_message: SGLang tokenizes the continued text on its own after
+        # the rendering's tokens.
+        tail = template.encode_prefix(real.prefix)
+        if prefix_piece is not None and tail:
+            pieces.append((Span(len(ids), len(ids) + len(tail)), kinds[prefix_piece]))
+        ids += tail
+    chunks = _chunk_spans(ids, pieces, config)
+    if not chunks:
         return None
-    return ChatPrompt(ids, PromptLayout(len(ids), tuple(spans)))
+    return ChatPrompt(ids, PromptLayout(len(ids), tuple(chunks)))
 
 
-class _DelimitedChat(NamedTuple):
-    """The messages the template renders (chunk text wrapped in delimiters), and the
-    delimited pieces in prompt order."""
+class _Plan(NamedTuple):
+    """The pieces of a request's messages. pieces: id -> piece; owners: id -> message
+    index; slots: (message, item or None) -> piece id, for content put in as a piece."""
 
-    messages: list[dict[str, Any]]
     pieces: list[Piece]
+    owners: list[int]
+    slots: dict[tuple[int, int | None], int]
 
 
-def _delimited_messages(
-    messages: list[Any],
-    tools: Any,
-    tool_choice: Any,
-    roles: frozenset[str],
-    d: str,
-    string_content: bool = True,
-) -> _DelimitedChat:
+def _plan(messages: list[Any], roles: frozenset[str]) -> _Plan:
     auto = bool(roles)
     last_user = max(
         (i for i, m in enumerate(messages) if isinstance(m, dict) and _role(i, m) == "user"),
         default=-1,
     )
-    rendered: list[dict[str, Any]] = []
-    contents: list[_Segments] = []
+    plan = _Plan([], [], {})
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise LayoutError(f"message {i} must be an object")
         role = _role(i, msg)
-        if msg.get("tools"):
-            raise _Unrenderable(
-                f"message {i} carries tools, which only SGLang's templating renders"
-            )
-        if isinstance(msg.get("content"), list) and not string_content:
-            raise _Unrenderable(
-                f"message {i}: this model's chat template reads content lists itself, which "
-                "only SGLang's templating renders (send the content as a string)"
-            )
         chosen = _auto_chosen(role, msg.get("name"), i < last_user, roles)
-        contents.append(_content(i, msg, auto, chosen, d))
-        rendered.append(_template_message(role, msg))
-    if rendered and rendered[-1]["role"] == "assistant":
-        # SGLang's chat path (without continue_final_message) renders a final assistant
-        # message with string content as a user turn holding its text alone; a content list
-        # it keeps or flattens depending on the template, which is not known here.
-        if isinstance(messages[-1].get("content"), list):
-            raise _Unrenderable(
-                f"message {len(messages) - 1}: a final assistant message with a content list "
-                "cannot be rendered with chunks (send its content as a string)"
-            )
-        rendered[-1] = {"role": "user"}
-    shown = tool_texts(tools, tool_choice)
-    if shown:
-        segs: _Segments = [TOOLS_HEADER]
-        for text in shown:
-            if d in text:
-                raise _Unrenderable(f"a tool schema contains the chunk delimiter {d!r}")
-            segs += [Piece(text, PieceKind.AUTO), "\n"]
-        if rendered and rendered[0]["role"] == "system":
-            has_text = any(isinstance(s, Piece) or s for s in contents[0])
-            contents[0] += ["\n\n", *segs] if has_text else segs
-        else:
-            rendered.insert(0, {"role": "system"})
-            contents.insert(0, segs)
-    pieces: list[Piece] = []
-    for msg, segs in zip(rendered, contents, strict=True):
-        msg["content"] = "".join(s if isinstance(s, str) else d + s.text + d for s in segs)
-        pieces += [s for s in segs if isinstance(s, Piece)]
-    return _DelimitedChat(rendered, pieces)
+        for j, piece in _content(i, msg, auto, chosen):
+            if piece is None:
+                continue
+            plan.slots[(i, j)] = len(plan.pieces)
+            plan.pieces.append(piece)
+            plan.owners.append(i)
+    return plan
 
 
-def _template(render: Callable[[list[dict[str, Any]]], str], chat: _DelimitedChat, d: str) -> str:
-    """The rendered prompt, checked to hold every piece verbatim between delimiters."""
-    try:
-        prompt = render(chat.messages)
-    except Exception as e:  # noqa: BLE001 - a chat template is the model's code, any error
-        raise _Unrenderable(f"the chat template failed on the chunked messages: {e}") from e
-    if prompt.split(d)[1::2] != [p.text for p in chat.pieces]:
-        raise _Unrenderable(
-            "the chat template does not render the message text verbatim (it drops, trims "
-            "or rewrites some), so chunks cannot be marked in it"
-        )
-    return prompt
+def _body(body: dict[str, Any], plan: _Plan, subset: frozenset[int]) -> dict[str, Any]:
+    """``body`` as SGLang receives it (no chunk marks, no ``pic``), with the content of
+    the pieces in ``subset`` replaced by their sentinels."""
+    out = {k: v for k, v in body.items() if k != "pic"}
+    messages = []
+    for i, msg in enumerate(body["messages"]):
+        msg = {k: v for k, v in msg.items() if k != "pic_chunk"}
+        content = msg.get("content")
+        if isinstance(content, list):
+            items = []
+            for j, item in enumerate(content):
+                if isinstance(item, dict):
+                    item = {k: v for k, v in item.items() if k != "pic_chunk"}
+                    k = plan.slots.get((i, j))
+                    if k in subset:
+                        item["text"] = sentinel(k)
+                items.append(item)
+            msg["content"] = items
+        elif (k := plan.slots.get((i, None))) in subset:
+            msg["content"] = sentinel(k)
+        messages.append(msg)
+    out["messages"] = messages
+    return out
 
 
 def _role(i: int, msg: dict[str, Any]) -> str:
@@ -354,8 +347,11 @@ def _auto_chosen(role: str, name: Any, earlier: bool, roles: frozenset[str]) -> 
     return earlier and role in roles
 
 
-def _content(i: int, msg: dict[str, Any], auto: bool, chosen: bool, d: str) -> _Segments:
-    """Message ``i``'s content as fresh text and delimited pieces."""
+def _content(
+    i: int, msg: dict[str, Any], auto: bool, chosen: bool
+) -> list[tuple[int | None, Piece | None]]:
+    """Message ``i``'s content as (item index or None for string content, its piece or
+    None when fresh)."""
     mark = msg.get("pic_chunk")
     if mark is not None and not isinstance(mark, bool):
         raise LayoutError(f"message {i}: 'pic_chunk' must be true or false, got {mark!r}")
@@ -370,8 +366,6 @@ def _content(i: int, msg: dict[str, Any], auto: bool, chosen: bool, d: str) -> _
             text = item.get("text")
             if not isinstance(text, str):
                 raise LayoutError(f"message {i} item {j}: 'text' must be a string")
-            if d in text:
-                raise _Unrenderable(f"message {i} item {j} contains the chunk delimiter {d!r}")
             texts.append(text)
         item_marks = [item.get("pic_chunk") for item in content]
         if any(m is not None for m in item_marks):
@@ -384,71 +378,43 @@ def _content(i: int, msg: dict[str, Any], auto: bool, chosen: bool, d: str) -> _
                     raise LayoutError(
                         f"message {i} item {j}: 'pic_chunk' must be true or false, got {m!r}"
                     )
-            segs: _Segments = []
-            for j, (t, m) in enumerate(zip(texts, item_marks, strict=True)):
-                if j:
-                    segs.append(ITEM_SEPARATOR)
-                segs.append(
-                    Piece(t, PieceKind.MARKED)
-                    if m
-                    else Piece(t, PieceKind.OWN)
-                    if auto and t
-                    else t
-                )
-            return segs
-        text = ITEM_SEPARATOR.join(texts)
-    elif content is None:
-        text = ""  # as SGLang renders a message without content (an assistant's tool call)
-    elif isinstance(content, str):
-        text = content
-        if d in text:
-            raise _Unrenderable(f"message {i} contains the chunk delimiter {d!r}")
-    else:
-        raise LayoutError(f"message {i}: 'content' must be a string, a list of text items or null")
-    if mark:
-        return [Piece(text, PieceKind.MARKED)]
-    if not (auto and text):
-        return [text]
-    return [Piece(text, PieceKind.AUTO if chosen and mark is None else PieceKind.OWN)]
-
-
-def _template_message(role: str, msg: dict[str, Any]) -> dict[str, Any]:
-    """What the chat template sees of a message besides its content, as SGLang passes it:
-    tool calls with JSON arguments decoded, the tool call id, the name (SGLang's user
-    messages carry none) and an assistant's reasoning (templates of reasoning models
-    render it), each only when not null."""
-    out: dict[str, Any] = {"role": role}
-    calls = msg.get("tool_calls")
-    if calls is not None:
-        out["tool_calls"] = [_decoded_call(c) for c in calls] if isinstance(calls, list) else calls
-    for key in ("tool_call_id", "name", "reasoning_content"):
-        if msg.get(key) is not None and not (key == "name" and role == "user"):
-            out[key] = msg[key]
-    return out
-
-
-def _decoded_call(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not (isinstance(fn, dict) and isinstance(fn.get("arguments"), str)):
-        return call
-    try:
-        args = json.loads(fn["arguments"])
-    except ValueError:
-        return call  # left as sent: templates print a string as it is
-    return {**call, "function": {**fn, "arguments": args}}
-
-
-def tool_texts(tools: Any, tool_choice: Any) -> list[str]:
-    """Canonical JSON of each tool the prompt shows (validated). The prompt holds
-    ``TOOLS_HEADER`` and then each of them on its own line."""
-    if tools is None:
+            chosen = False  # items the client did not mark stay fresh
+        else:
+            item_marks = [mark] * len(texts)
+        return [
+            (j, _piece(i, t, m, auto, chosen and m is None))
+            for j, (t, m) in enumerate(zip(texts, item_marks, strict=True))
+        ]
+    if content is None:
         return []
+    if not isinstance(content, str):
+        raise LayoutError(f"message {i}: 'content' must be a string, a list of text items or null")
+    return [(None, _piece(i, content, mark, auto, chosen and mark is None))]
+
+
+def _piece(i: int, text: str, mark: bool | None, auto: bool, chosen: bool) -> Piece | None:
+    """A text's piece: the client's chunk, a chunk made here, tokenized on its own, or None
+    (fresh: not auto-chunked, or empty)."""
+    if mark and not text:
+        raise LayoutError(f"message {i}: a marked chunk is empty")
+    if mark:
+        return Piece(text, PieceKind.MARKED)
+    if not (auto and text):
+        return None
+    return Piece(text, PieceKind.AUTO if chosen else PieceKind.OWN)
+
+
+def check_tools(tools: Any, tool_choice: Any) -> None:
+    """Raises LayoutError for malformed ``tools`` or ``tool_choice`` (with the field at
+    fault; SGLang's own answer names none)."""
+    if tools is None:
+        return
     if not isinstance(tools, list):
         raise LayoutError(
             "'tools' must be a list of {'type': 'function', 'function': {...}} objects, got "
             f"{type(tools).__name__}"
         )
-    canonical: list[tuple[str, str]] = []
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise LayoutError(f"tool {i} must be an object, got {type(tool).__name__}")
@@ -467,52 +433,32 @@ def tool_texts(tools: Any, tool_choice: Any) -> list[str]:
             raise LayoutError(
                 f"tool {i} ({name}): 'function.parameters' must be a JSON schema object"
             )
-        if any(name == n for n, _ in canonical):
+        if name in names:
             raise LayoutError(f"tool {i}: the name {name!r} is used by another tool")
-        # Sorted keys: the same schema gives the same text, hence the same chunk tokens.
-        text = json.dumps(
-            {"type": "function", "function": fn},
-            sort_keys=True,
-            ensure_ascii=False,
-            separators=(", ", ": "),
-        )
-        canonical.append((name, text))
-    shown = _shown_tool(tool_choice)
-    if shown is None:
-        return [text for _, text in canonical]
-    return [text for name, text in canonical if name == shown]
-
-
-def _shown_tool(tool_choice: Any) -> str | None:
-    """The tool names the prompt shows under ``tool_choice``, as SGLang's templating picks
-    them: None for all, '' for none, else the one named."""
-    if tool_choice is None or tool_choice in ("auto", "required"):
-        return None
-    if tool_choice == "none":
-        return ""
+        names.add(name)
+    if tool_choice is None or tool_choice in ("auto", "required", "none"):
+        return
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise LayoutError(
             "'tool_choice' must be 'auto', 'required', 'none' or "
             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
         )
-    return name
 
 
 def _chunk_spans(
-    ids: Sequence[int], spans: Sequence[Span], pieces: Sequence[Piece], config: PicConfig
+    ids: Sequence[int], pieces: Sequence[tuple[Span, PieceKind]], config: PicConfig
 ) -> list[Span]:
-    """The chunks among the delimited pieces' spans (of the prompt ``ids``): marked ones as
-    they are, those made here windowed, or left fresh when too short or past
-    ``max_chunks`` (the earliest)."""
+    """The chunks among the pieces' spans (of the prompt ``ids``): marked ones as they are,
+    those made here windowed, or left fresh when too short or past ``max_chunks`` (the
+    earliest)."""
     shortest = max(config.auto_chunk_min_tokens, config.min_chunk_tokens)
     size = max(config.segment_tokens, shortest)
     chunks: list[tuple[Span, bool]] = []  # (span, made here)
-    for span, piece in zip(spans, pieces, strict=True):
-        if piece.kind is PieceKind.MARKED:
+    for span, kind in pieces:
+        if kind is PieceKind.MARKED:
             chunks.append((span, False))
-        elif piece.kind is PieceKind.AUTO and span.length >= shortest:
+        elif kind is PieceKind.AUTO and span.length >= shortest:
             own = ids[span.start : span.end]
             chunks += [(w, True) for w in windows(span, own, size, shortest)]
     excess = len(chunks) - config.max_chunks

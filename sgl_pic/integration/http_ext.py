@@ -54,8 +54,8 @@ from sgl_pic.integration.chat_chunks import (
     chat_options,
     chat_prompt,
     has_chat_marks,
-    template_options,
 )
+from sgl_pic.integration.chat_render import ChatTemplate, server_template_defaults
 from sgl_pic.integration.spans import (
     INTERNAL_PREFIX,
     MAC_KEY,
@@ -211,36 +211,31 @@ class RequestTranslator:
     def chat(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """/v1/chat/completions: chunks marked by the client (``"pic_chunk": true`` on a
         message or a text item) or by auto-chunking, and tool schemas (``chat_chunks``). The
-        chat template is rendered here with each chunk wrapped in delimiters, tokenized
-        piecewise, and sent as SGLang's ``input_ids`` (which bypasses its own templating)
-        plus the signed marks in ``custom_params``. None when the body passes on as it is."""
+        request is rendered here as SGLang's chat path renders it (the model's template with
+        tools and template options), tokenized piece by piece, and sent as SGLang's
+        ``input_ids`` (which bypasses its own templating) plus the signed marks in
+        ``custom_params``. None when the body passes on as it is."""
         pic = obj.get("pic")
         options = chat_options(pic, self.auto_chunk)
         overrides = check_overrides(options.config, self.config)
         roles = options.roles
         messages = obj.get("messages")
-        unapplied = template_options(obj)
         if obj.get("input_ids") is not None:
-            unapplied.append("input_ids")
-        if unapplied:
             if isinstance(messages, list) and has_chat_marks(messages):
                 raise LayoutError(
-                    f"{', '.join(repr(k) for k in unapplied)} cannot be combined with chunk "
-                    "marks ('pic_chunk'): a chunked prompt is rendered by sgl_pic's templating, "
-                    "which applies only the messages and tools (and 'input_ids' would replace "
-                    "it); send the request without chunk marks"
+                    "'input_ids' cannot be combined with chunk marks ('pic_chunk'): they "
+                    "replace the chat template's prompt that the marks are found in; send "
+                    "the request without chunk marks"
                 )
-            # Auto-chunking steps aside: SGLang's own templating serves the request.
+            # Auto-chunking steps aside: the client's ids are the prompt.
             roles = frozenset()
         prompt = chat_prompt(
-            messages,
-            obj.get("tools"),
-            obj.get("tool_choice"),
+            obj,
             roles,
             self.config,
-            self._render_chat,
+            self._render_chat(),
             lambda t: self._tokenize(t, False),
-            self.string_content,
+            server_template_defaults(),
         )
         if isinstance(messages, list) and (prompt is not None or "pic" in obj):
             obj["messages"] = [_strip_marks(m) for m in messages]
@@ -263,10 +258,9 @@ class RequestTranslator:
         obj["custom_params"] = custom
         return obj
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+    def _render_chat(self) -> ChatTemplate:
+        """The model's chat template, rendered as SGLang's chat path renders it."""
+        return ChatTemplate(self.tokenizer)
 
     def _overrides(self, pic: Any) -> dict[str, Any]:
         if pic is None:

@@ -1,6 +1,7 @@
 """Chat requests turned into chunks: auto-chunking of tool results, documents and earlier
-turns, tool schemas as chunks, long messages in windows (the embedded model's real
-tokenizer, no server); and one agent session through a server with ``--pic-auto-chunk``."""
+turns, tool schemas as chunks of the template's own rendering, template options, long
+messages in windows (the embedded model's real tokenizer, no server); and one agent
+session through a server with ``--pic-auto-chunk``."""
 
 from __future__ import annotations
 
@@ -15,16 +16,13 @@ import requests
 
 from sgl_pic.config import PicConfig
 from sgl_pic.cut_points import cut_points
-from sgl_pic.integration.chat_chunks import (
-    TOOLS_HEADER,
-    chat_prompt,
-    parse_roles,
-    windows,
-)
+from sgl_pic.integration.chat_chunks import parse_roles, windows
+from sgl_pic.integration.chat_render import ChatTemplate
 from sgl_pic.integration.http_ext import RequestTranslator
 from sgl_pic.integration.settings import PicServerSettings
 from sgl_pic.integration.spans import MarkSigner, decode
 from sgl_pic.layout import LayoutError, PromptLayout, Span
+from tests.integration.chat_templates import templated
 from tests.integration.prompts import DOCS, ids, tokenizer
 from tests.integration.server import Server, launch
 from tests.integration.session_checks import (
@@ -87,9 +85,19 @@ def call(call_id: str, name: str, query: str) -> dict[str, Any]:
 
 
 def translator(
-    auto: frozenset[str] = frozenset(), config: PicConfig | None = None
+    auto: frozenset[str] = frozenset(), config: PicConfig | None = None, template: str = ""
 ) -> RequestTranslator:
-    return RequestTranslator(config or SHORT, tokenizer, MarkSigner("k"), auto_chunk=auto)
+    """A translator on the embedded model's tokenizer, with its own chat template or the
+    fixture ``template`` (tests/integration/templates)."""
+    tok = templated(template) if template else tokenizer()
+    return RequestTranslator(config or SHORT, lambda: tok, MarkSigner("k"), auto_chunk=auto)
+
+
+def sglang_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools as SGLang hands them to the template (its request model's dump)."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+
+    return [Tool(**t).model_dump() for t in tools]
 
 
 def chunk_ids(out: dict[str, Any], config: PicConfig | None = None) -> list[list[int]]:
@@ -157,8 +165,8 @@ def test_the_question_is_fresh_and_becomes_a_chunk_once_answered() -> None:
     assert ids("user\n" + question) != ids("user\n") + ids(question)
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     turn2 = [*turn1, {"role": "assistant", "content": A1}, {"role": "user", "content": U2}]
-    out1 = chat(translator(ALL), {"messages": turn1, "tools": tools})
-    out2 = chat(translator(ALL), {"messages": turn2, "tools": tools})
+    out1 = chat(translator(ALL, template="qwen25"), {"messages": turn1, "tools": tools})
+    out2 = chat(translator(ALL, template="qwen25"), {"messages": turn2, "tools": tools})
     assert out1 is not None and out2 is not None
     assert question not in chunk_texts(out1)
     assert question in chunk_texts(out2) and A1 in chunk_texts(out2)
@@ -192,12 +200,6 @@ def test_short_texts_stay_fresh() -> None:
     out = chat(translator(ALL, config), {"messages": msgs})
     assert out is not None
     assert "".join(chunk_texts(out, config)) == LONG
-    # So does a tool schema that short; the others are chunks.
-    tiny = {"type": "function", "function": {"name": "now"}}
-    out = chat(translator(ALL, config), {"messages": msgs[-1:], "tools": [tiny, SEARCH]})
-    assert out is not None
-    assert [json.loads(t) for t in chunk_texts(out, config)] == [SEARCH]
-    assert '"name": "now"' in tokenizer().decode(out["input_ids"])
     # A client's mark is honoured down to min_chunk_tokens.
     marked = [{**m, "pic_chunk": True} if m["content"] == A1 else m for m in msgs]
     out = chat(translator(frozenset(), config), {"messages": marked})
@@ -218,7 +220,13 @@ def test_more_client_marks_than_max_chunks_are_refused_before_rendering() -> Non
     # Rendering and tokenizing piece by piece run in the server's event loop.
     t = translator(ALL, PicConfig(max_chunks=2, auto_chunk_min_tokens=4))
     rendered: list[Any] = []
-    t._render_chat = lambda *a, **kw: rendered.append(a) or ""  # type: ignore[method-assign]
+
+    class Recording(ChatTemplate):
+        def render(self, inputs: Any) -> Any:
+            rendered.append(inputs)
+            return super().render(inputs)
+
+    t._render_chat = lambda: Recording(tokenizer())  # type: ignore[method-assign]
     msgs = [{"role": "user", "content": DOCS[k], "pic_chunk": True} for k in "AB"]
     msgs.append({"role": "user", "content": [{"type": "text", "text": "q", "pic_chunk": True}]})
     with pytest.raises(LayoutError, match="3 chunks marked; .* at most 2"):
@@ -280,94 +288,132 @@ def test_the_request_option_carries_overrides() -> None:
     assert chat(translator(), plain) == {"messages": plain["messages"]}
 
 
-def test_template_options_leave_auto_chunked_requests_to_sglang() -> None:
-    body = {"messages": session(), "chat_template_kwargs": {"enable_thinking": False}}
-    out = chat(translator(ALL), body)
-    assert out is None
+def test_template_options_are_rendered_and_chunked() -> None:
+    """Qwen3's enable_thinking, reasoning_effort: applied by the template as SGLang applies
+    them, and the request is still chunked (it was left to SGLang unchunked)."""
+    t = translator(ALL, template="qwen3")
+    for options in (
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"reasoning_effort": "low"},
+    ):
+        body = {"messages": session(), "tools": [SEARCH, WEATHER], **options}
+        out = chat(t, body)
+        assert out is not None, options
+        assert chunk_texts(out)[2:4] == [DOCS["A"], U1]  # after the two tool schemas
+        text = tokenizer().decode(out["input_ids"])
+        assert text == sglang_render("qwen3", body), options
+    thinking_off = chat(
+        t, {"messages": session(), "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert thinking_off is not None
+    assert tokenizer().decode(thinking_off["input_ids"]).endswith("<think>\n\n</think>\n\n")
+
+
+def sglang_render(template: str, body: dict[str, Any]) -> str:
+    """What SGLang's chat path renders for ``body`` with fixture ``template`` (its request
+    model, message dump and template call, done here with SGLang's own helpers)."""
+    from sgl_pic.integration.chat_render import chat_inputs
+
+    inputs = chat_inputs(body, "string", {})
+    tok = templated(template) if template else tokenizer()
+    text = tok.apply_chat_template(
+        inputs.messages,
+        tokenize=False,
+        add_generation_prompt=inputs.add_generation_prompt,
+        tools=inputs.tools,
+        **inputs.kwargs,
+    )
+    return text + (inputs.prefix or "")
 
 
 def test_auto_chunking_leaves_what_it_cannot_render_to_sglang() -> None:
-    d = PicConfig().delimiter
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
-    for msgs in (
-        [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": f"a {d} b"}],
-        [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": [image]}],
-    ):
-        assert chat(translator(ALL), {"messages": msgs}) is None
-        marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
-        with pytest.raises(LayoutError, match="delimiter|only text items"):
-            chat(translator(ALL), {"messages": marked})
+    msgs = [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": [image]}]
+    assert chat(translator(ALL), {"messages": msgs}) is None
+    marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
+    with pytest.raises(LayoutError, match="only text items"):
+        chat(translator(ALL), {"messages": marked})
+    # The delimiter is text like any other in a chat message: the template renders it.
+    d = PicConfig().delimiter
+    msgs = [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": f"a {d} b"}]
+    out = chat(translator(ALL), {"messages": msgs})
+    assert out is not None and chunk_texts(out) == [DOCS["A"]]
+    assert tokenizer().decode(out["input_ids"]) == sglang_render("", {"messages": msgs})
 
 
-def test_a_template_that_rewrites_text_cannot_carry_chunks() -> None:
+def test_a_template_that_rewrites_text_leaves_it_fresh() -> None:
     msgs = [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": U1}]
 
-    def trimming(messages: list[dict[str, Any]]) -> str:
-        return "".join(f"<{m['role']}>{m['content'][:-3]}" for m in messages)
-
-    def tok(text: str) -> list[int]:
-        return ids(text)
-
-    assert chat_prompt(msgs, None, None, ALL, SHORT, trimming, tok) is None
+    tok = copy.copy(tokenizer())
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content[:-3] }}{% endfor %}"
+    t = RequestTranslator(SHORT, lambda: tok, MarkSigner("k"), auto_chunk=ALL)
+    assert chat(t, {"messages": msgs}) is None  # nothing verbatim: served as it is
     marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
     with pytest.raises(LayoutError, match="verbatim"):
-        chat_prompt(marked, None, None, frozenset(), PicConfig(), trimming, tok)
+        chat(t, {"messages": marked})
+    # Only the piece the template rewrites stays fresh.
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>"
+        "{% if m.role == 'user' %}{{ m.content[:-3] }}{% else %}{{ m.content }}{% endif %}"
+        "{% endfor %}"
+    )
+    out = chat(t, {"messages": msgs})
+    assert out is not None and chunk_texts(out) == [DOCS["A"]]
 
 
 # -- tool schemas ----------------------------------------------------------------------
 
 
-def tool_chunks(tools: list[dict[str, Any]], **body: Any) -> dict[str, list[int]]:
+def tool_chunks(
+    tools: list[dict[str, Any]], template: str = "qwen25", **body: Any
+) -> dict[str, list[int]]:
     """Tool name -> its chunk's token ids, of a request carrying ``tools``."""
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U1}]
-    out = chat(translator(frozenset({"tool"})), {"messages": msgs, "tools": tools, **body})
+    t = translator(frozenset({"tool"}), template=template)
+    out = chat(t, {"messages": msgs, "tools": tools, **body})
     assert out is not None
+    assert tokenizer().decode(out["input_ids"]) == sglang_render(
+        template, {"messages": msgs, "tools": tools, **body}
+    )
     found = {}
     for c in chunk_ids(out):
         schema = json.loads(tokenizer().decode(c))
-        found[schema["function"]["name"]] = c
+        found[schema.get("function", schema)["name"]] = c
     return found
 
 
-def test_each_tool_schema_is_one_chunk_whatever_the_order_or_subset() -> None:
-    full = tool_chunks([SEARCH, WEATHER, BOOK])
+@pytest.mark.parametrize("template", ["qwen25", "qwen3", "llama3", "mistral"])
+def test_each_tool_schema_is_one_chunk_whatever_the_order_or_subset(template: str) -> None:
+    full = tool_chunks([SEARCH, WEATHER, BOOK], template)
     assert sorted(full) == ["book", "search", "weather"]
     for subset in ([BOOK, SEARCH], [WEATHER], [WEATHER, BOOK, SEARCH]):
-        got = tool_chunks(subset)
+        got = tool_chunks(subset, template)
         assert got == {name: full[name] for name in got}
-    # The same schema with its keys in another order: the same canonical text and tokens.
+    # The same schema with its keys in another order is another text in the prompt (the
+    # template serialises what it is given, and the prompt is the template's): another
+    # chunk, still one of its own.
     shuffled = json.loads(json.dumps(WEATHER))
     shuffled["function"] = dict(reversed(list(shuffled["function"].items())))
-    shuffled = dict(reversed(list(shuffled.items())))
-    assert tool_chunks([shuffled])["weather"] == full["weather"]
-    canonical = json.dumps(WEATHER, sort_keys=True, separators=(", ", ": "))
-    assert full["weather"] == ids(canonical)
+    assert tool_chunks([shuffled], template)["weather"] != full["weather"]
 
 
-def test_tools_go_at_the_end_of_the_first_system_message() -> None:
-    out = chat(
-        translator(frozenset({"tool"})),
-        {
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U1}],
-            "tools": [SEARCH],
-        },
-    )
+def test_tools_are_where_the_template_puts_them_and_sglang_keeps_them() -> None:
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U1}],
+        "tools": [SEARCH],
+    }
+    out = chat(translator(frozenset({"tool"}), template="qwen25"), body)
     assert out is not None
     text = tokenizer().decode(out["input_ids"])
-    schema = json.dumps(SEARCH, sort_keys=True, separators=(", ", ": "))
-    assert text.startswith(f"<|im_start|>system\n{SYSTEM}\n\n{TOOLS_HEADER}{schema}\n<|im_end|>")
-    # Without a system message, one holding the tools is added in front.
-    out = chat(
-        translator(frozenset({"tool"})),
-        {"messages": [{"role": "user", "content": U1}], "tools": [SEARCH]},
-    )
-    assert out is not None
-    text = tokenizer().decode(out["input_ids"])
-    assert text.startswith(
-        f"<|im_start|>system\n{TOOLS_HEADER}{schema}\n<|im_end|>\n<|im_start|>user"
-    )
+    assert text == sglang_render("qwen25", body)
+    schema = json.dumps(sglang_tools([SEARCH])[0])
+    assert f"<tools>\n{schema}\n</tools>" in text
+    assert chunk_texts(out) == [schema]
     # SGLang keeps the tools (it parses tool calls with them) and renders no prompt.
     assert out["tools"] == [SEARCH]
+    # A template without a tool section (the embedded model's) shows none: nothing to chunk.
+    assert chat(translator(frozenset({"tool"})), body) is None
 
 
 def test_tools_follow_tool_choice_and_any_chunk_mark() -> None:
@@ -376,13 +422,13 @@ def test_tools_follow_tool_choice_and_any_chunk_mark() -> None:
     assert sorted(tool_chunks([SEARCH, WEATHER], tool_choice=named)) == ["weather"]
     msgs = [{"role": "user", "content": U1}]
     out = chat(
-        translator(frozenset({"tool"})),
+        translator(frozenset({"tool"}), template="qwen25"),
         {"messages": msgs, "tools": [SEARCH], "tool_choice": "none"},
     )
     assert out is None  # nothing left to chunk
     # A client's mark makes tools chunks too, with auto-chunking off.
     marked = [{"role": "user", "content": DOCS["A"], "pic_chunk": True}, *msgs]
-    out = chat(translator(), {"messages": marked, "tools": [SEARCH, WEATHER]})
+    out = chat(translator(template="qwen25"), {"messages": marked, "tools": [SEARCH, WEATHER]})
     assert out is not None
     assert len(chunk_texts(out)) == 3 and chunk_texts(out)[2] == DOCS["A"]
 
@@ -577,8 +623,12 @@ def test_agent_session_reuses_tool_results_and_earlier_turns(agent_server: Serve
 
     config = PicConfig(policy="daric", daric_n_avg=N_AVG, auto_chunk_min_tokens=4)
     local = RequestTranslator(config, tokenizer, auto_chunk=parse_roles(SERVER_ROLES))
+    # An earlier exchange before the question: the embedded model's template shows no
+    # tools, so these are turn 0's chunks.
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": DOCS["B"]},
+        {"role": "assistant", "content": A1},
         {"role": "user", "content": U1},
     ]
     stored: set[tuple[int, ...]] = set()  # chunks computed by an earlier miss
@@ -618,7 +668,7 @@ def test_agent_session_reuses_tool_results_and_earlier_turns(agent_server: Serve
         assert d[MISSES] == len(past) - len(hits), (k, d)
         stored.update(t for _, t in past if t not in stored)
         if k == 0:
-            assert cached == 0 and d[MISSES] == 2  # the two tool schemas
+            assert cached == 0 and d[MISSES] == 2  # the earlier exchange
         else:
             # The previous turn (prompt, and what of its answer SGLang cached) is device
             # prefix: its tool schemas and the earlier question among the chunks inside.
@@ -672,7 +722,7 @@ def test_agent_session_reuses_tool_results_and_earlier_turns(agent_server: Serve
             kept += 1
             assert b_next.per_chunk[i - 1] <= b.per_chunk[i - 1] + 1e-9, (k, i)
             strictly_smaller += b_next.per_chunk[i - 1] < b.per_chunk[i - 1] - 1e-9
-        assert kept >= 3, k  # at least the tool schemas keep their places
+        assert kept >= 2, k  # at least the earlier exchange keeps its place
     assert strictly_smaller > 0
 
 
@@ -681,33 +731,45 @@ def test_agent_session_reuses_tool_results_and_earlier_turns(agent_server: Serve
 
 def test_a_final_assistant_message_gives_the_prompt_sglang_renders() -> None:
     """Without continue_final_message SGLang renders a final assistant message as a user
-    turn of its text: the chunked prompt holds the same text as the unmarked one."""
+    turn of its text; with it, the text is cut off and its tokens appended to the
+    rendering's, each one a piece of the chunked prompt."""
     msgs = [
         {"role": "user", "content": DOCS["A"], "pic_chunk": True},
         {"role": "user", "content": U1},
         {"role": "assistant", "content": A1},
     ]
+    plain = [{k: v for k, v in m.items() if k != "pic_chunk"} for m in msgs]
     out = chat(translator(), {"messages": msgs})
     assert out is not None and chunk_texts(out) == [DOCS["A"]]
-    sglang = [*({"role": m["role"], "content": m["content"]} for m in msgs[:2])]
-    sglang.append({"role": "user", "content": A1})
-    text = tokenizer().apply_chat_template(sglang, tokenize=False, add_generation_prompt=True)
-    assert tokenizer().decode(out["input_ids"]) == text
-    # continue_final_message is SGLang's to apply: refused with marks, left to it without.
-    with pytest.raises(LayoutError, match="'continue_final_message' cannot be combined"):
-        chat(translator(), {"messages": msgs, "continue_final_message": True})
-    plain = [{k: v for k, v in m.items() if k != "pic_chunk"} for m in msgs]
-    assert chat(translator(ALL), {"messages": plain, "continue_final_message": True}) is None
+    assert tokenizer().decode(out["input_ids"]) == sglang_render("", {"messages": plain})
+    assert sglang_render("", {"messages": plain}).endswith(
+        f"<|im_start|>user\n{A1}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    body = {"messages": msgs, "continue_final_message": True}
+    out = chat(translator(), body)
+    assert out is not None and chunk_texts(out) == [DOCS["A"]]
+    head = sglang_render("", {"messages": plain[:2]})
+    assert out["input_ids"] == ids_of(out, DOCS["A"], head) + ids(A1)
+    # The continued text is a piece too, tokenized on its own: marked, a chunk.
+    long_answer = {"role": "assistant", "content": DOCS["B"], "pic_chunk": True}
+    out = chat(
+        translator(ALL), {"messages": [*plain[:2], long_answer], "continue_final_message": True}
+    )
+    assert out is not None and chunk_texts(out)[-1] == DOCS["B"]
+    assert out["input_ids"][-len(ids(DOCS["B"])) :] == ids(DOCS["B"])
+
+
+def ids_of(out: dict[str, Any], chunk: str, text: str) -> list[int]:
+    """``text`` tokenized with ``chunk`` (which it holds once) tokenized on its own."""
+    at = text.index(chunk)
+    return ids(text[:at]) + ids(chunk) + ids(text[at + len(chunk) :])
 
 
 @pytest.mark.parametrize("auto", [frozenset(), ALL])
 def test_text_items_and_reasoning_render_as_sglang_renders_them(auto: frozenset[str]) -> None:
     # SGLang hands a string-content template (the embedded model's) a message's text items
     # joined by a space, and every field of the message that is not null.
-    from sglang.srt.parser.jinja_template_utils import (
-        detect_jinja_template_content_format,
-        process_content_for_template_format,
-    )
+    from sglang.srt.parser.jinja_template_utils import detect_jinja_template_content_format
 
     assert detect_jinja_template_content_format(tokenizer().chat_template) == "string"
     items = [{"type": "text", "text": DOCS["B"]}, {"type": "text", "text": "forty-two."}]
@@ -725,37 +787,29 @@ def test_text_items_and_reasoning_render_as_sglang_renders_them(auto: frozenset[
         else m
         for m in msgs
     ]
-    sglang = [process_content_for_template_format(m, "string", [], [], [], []) for m in plain]
-    text = tokenizer().apply_chat_template(sglang, tokenize=False, add_generation_prompt=True)
-    assert tokenizer().decode(out["input_ids"]) == text
+    assert tokenizer().decode(out["input_ids"]) == sglang_render("", {"messages": plain})
     assert chunk_texts(out)[0 if not auto else 1] == DOCS["B"]
 
 
-def test_content_lists_are_left_to_sglang_when_the_template_reads_them_itself() -> None:
-    # SGLang hands such a template the list, not the joined string this translation renders.
-    class ListTemplate:
-        chat_template = (
-            "{% for m in messages %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}"
-            "{% endfor %}"
-        )
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(tokenizer(), name)
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return tokenizer()(*args, **kwargs)
-
-    t = RequestTranslator(SHORT, ListTemplate, MarkSigner("k"), auto_chunk=ALL)
-    assert not t.string_content
+def test_content_lists_are_chunked_where_the_template_reads_them_itself() -> None:
+    # SGLang hands such a template the list; its items are found in the rendering as any
+    # content is.
+    tok = copy.copy(tokenizer())
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>"
+        "{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for c in m['content'] %}{{ c['text'] }}|{% endfor %}{% endif %}"
+        "{% endfor %}"
+    )
+    t = RequestTranslator(SHORT, lambda: tok, MarkSigner("k"), auto_chunk=ALL)
     items = [{"type": "text", "text": DOCS["B"]}, {"type": "text", "text": U1}]
-    plain = [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": items}]
-    assert chat(t, {"messages": plain}) is None  # auto-chunking steps aside
-    marked = [{"role": "user", "content": [{**items[0], "pic_chunk": True}, items[1]]}]
-    with pytest.raises(LayoutError, match="reads content lists itself"):
-        chat(t, {"messages": marked})
-    # String content is still chunked.
-    out = chat(t, {"messages": [plain[0], {"role": "user", "content": U1}]})
-    assert out is not None and chunk_texts(out) == [DOCS["A"]]
+    marked = [
+        {"role": "tool", "content": DOCS["A"]},
+        {"role": "user", "content": [{**items[0], "pic_chunk": True}, items[1]]},
+    ]
+    out = chat(t, {"messages": marked})
+    assert out is not None and chunk_texts(out) == [DOCS["A"], DOCS["B"]]
+    assert tokenizer().decode(out["input_ids"]) == (f"<tool>{DOCS['A']}<user>{DOCS['B']}|{U1}|")
 
 
 def test_lone_surrogates_are_refused_before_the_tokenizer_sees_them() -> None:
@@ -773,4 +827,12 @@ def test_lone_surrogates_are_refused_before_the_tokenizer_sees_them() -> None:
         {"messages": [{"role": "user", "content": "\ud800" + DOCS["C"], "pic_chunk": True}]},
     ):
         with pytest.raises(LayoutError, match="lone UTF-16 surrogate"):
-            chat(translator(ALL), body)
+            chat(translator(ALL, template="qwen25"), body)
+
+
+def test_text_that_would_read_as_markers_is_left_to_sglang() -> None:
+    msgs = [{"role": "tool", "content": DOCS["A"]}, {"role": "user", "content": "a \ue004 b"}]
+    assert chat(translator(ALL), {"messages": msgs}) is None
+    marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
+    with pytest.raises(LayoutError, match="private-use code points"):
+        chat(translator(ALL), {"messages": marked})
