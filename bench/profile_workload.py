@@ -52,6 +52,7 @@ from workloads import (  # noqa: E402
     SERVER_ARGS,
     config_flags,
     config_form,
+    model_flags,
     run_stream,
     warm_up,
 )
@@ -104,7 +105,7 @@ def profile(
     args: argparse.Namespace, sessions: list, config: str, raw: Path, warmup: list[Request]
 ) -> dict[str, Any]:
     form = config_form(config)
-    with launch(config_flags(SERVER_ARGS, config)) as client:
+    with launch(config_flags(SERVER_ARGS + model_flags(args.workload), config)) as client:
         warm_up(client, warmup)  # before sampling: a fresh server's one-time cost
         found = subprocess.run(
             ["pgrep", "-f", "sglang::scheduler"], capture_output=True, text=True, check=True

@@ -45,6 +45,7 @@ from workloads import (  # noqa: E402
     SERVER_ARGS,
     config_flags,
     config_form,
+    model_flags,
     run_stream,
     warm_up,
 )
@@ -75,7 +76,8 @@ def record(workload: str, requests: int, concurrency: int, out: Path) -> list[di
     with tempfile.TemporaryDirectory() as site:
         (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE)
         env = {"PYTHONPATH": site, RECORD_VAR: str(out)}
-        with launch(config_flags(SERVER_ARGS, "sgl_pic"), env_extra=env) as client:
+        flags = config_flags(SERVER_ARGS + model_flags(workload), "sgl_pic")
+        with launch(flags, env_extra=env) as client:
             warm_up(client, server_warmup(src, concurrency))
             out.unlink(missing_ok=True)  # the warm-up's plain forwards are not phase batches
             run_stream(client, sessions, config_form("sgl_pic"), concurrency, 10)

@@ -35,10 +35,11 @@ OpenAI chat: a message with ``"pic_chunk": true``, or a text item of a content l
 ``"pic_chunk": true``, is a chunk; with auto-chunking (``--pic-auto-chunk`` or
 ``"pic": {"auto_chunk": ...}``) tool results, documents and earlier turns are marked here,
 and tool schemas become chunks too (``chat_chunks``); ``"pic": {"config": {...}}`` carries
-overrides. Options only SGLang's own templating applies (``continue_final_message``,
-``chat_template_kwargs``, ``reasoning_effort``, ... : ``chat_chunks.TEMPLATE_OPTIONS``) and a
-client's ``input_ids`` are refused with client marks (400) and leave an auto-chunked
-request to SGLang unchunked.
+overrides. The prompt is what the model's chat template renders, as SGLang's chat path
+renders it (tools, tool choice and template options included: ``chat_render``), and chunks
+are spans of that text (``template_spans``); a client's ``input_ids``, which replace the
+template's prompt, are refused with client marks (400) and leave an auto-chunked request
+to SGLang unchunked.
 """
 
 from __future__ import annotations
@@ -117,30 +118,12 @@ class RequestTranslator:
         self._load_tokenizer = load_tokenizer
         self._tokenizer: Any = None
         self._specials: SpecialTokens | None = None
-        self._string_content: bool | None = None
 
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             self._tokenizer = self._load_tokenizer()
         return self._tokenizer
-
-    @property
-    def string_content(self) -> bool:
-        """Whether the chat template takes a message's content as a string (SGLang then
-        joins a content list's text items), not as the list itself (SGLang's "openai"
-        content format, which this translation does not render)."""
-        if self._string_content is None:
-            template = getattr(self.tokenizer, "chat_template", None)
-            if not isinstance(template, str):
-                self._string_content = True  # no template of its own to read lists
-            else:
-                from sglang.srt.parser.jinja_template_utils import (
-                    detect_jinja_template_content_format,
-                )
-
-                self._string_content = detect_jinja_template_content_format(template) == "string"
-        return self._string_content
 
     def pad_id(self) -> int:
         """The token that pads chunk starts to a page boundary: the tokenizer's pad token,

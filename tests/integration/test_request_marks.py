@@ -331,7 +331,7 @@ def test_valid_stop_regex_and_rid_pass(path: str, body: dict) -> None:
     assert json.loads(passed).get("rid") == body.get("rid")
 
 
-def test_template_options_are_refused_with_chunk_marks() -> None:
+def test_template_options_are_applied_with_chunk_marks() -> None:
     msgs = [
         {"role": "user", "content": "doc", "pic_chunk": True},
         {"role": "user", "content": "Q?"},
@@ -343,32 +343,38 @@ def test_template_options_are_refused_with_chunk_marks() -> None:
         ("reasoning_effort", "low"),
         ("reasoning", {"effort": "low"}),
         ("thinking", {"type": "enabled"}),
-        ("input_ids", [5, 6]),
     ]:
-        with pytest.raises(LayoutError, match=f"'{option}' cannot be combined with chunk"):
-            translator().chat({"messages": msgs, option: value})
-        # Auto-chunking steps aside: SGLang's own templating serves the request.
-        auto = [{k: v for k, v in m.items() if k != "pic_chunk"} for m in msgs]
-        t = auto_translator("user", "assistant")
-        assert t.chat({"messages": auto, option: value}) is None
-        out = t.chat({"messages": auto, option: value, "pic": {"auto_chunk": True}})
-        assert out is not None and "pic" not in out
-        assert out.get("input_ids") == (value if option == "input_ids" else None)
-    # Defaults set nothing.
-    for off in ({"continue_final_message": False}, {"chat_template_kwargs": {}}):
-        assert translator().chat({"messages": msgs, **off}) is not None
+        out = translator().chat({"messages": msgs, option: value})
+        assert out is not None and out["custom_params"], option
+    # Without continue_final_message the final assistant message is a user turn; with it,
+    # its text is appended to the rendering (the fake template ends with "[assistant]").
+    out = translator().chat({"messages": msgs})
+    assert "".join(chr(t) for t in out["input_ids"]) == "[user]doc[user]Q?[user]A: [assistant]"
+    out = translator().chat({"messages": msgs, "continue_final_message": True})
+    text = "".join(chr(t) for t in out["input_ids"])  # the text encoded as SGLang encodes it
+    assert text.startswith("[user]doc[user]Q?[assistant]") and text.endswith("A: ")
+    # A client's input_ids replace the template's prompt the marks are found in.
+    with pytest.raises(LayoutError, match="'input_ids' cannot be combined with chunk"):
+        translator().chat({"messages": msgs, "input_ids": [5, 6]})
+    auto = [{k: v for k, v in m.items() if k != "pic_chunk"} for m in msgs]
+    t = auto_translator("user", "assistant")
+    assert t.chat({"messages": auto, "input_ids": [5, 6]}) is None
+    out = t.chat({"messages": auto, "input_ids": [5, 6], "pic": {"auto_chunk": True}})
+    assert out is not None and "pic" not in out and out["input_ids"] == [5, 6]
 
 
 def test_a_final_assistant_message_renders_as_sglang_renders_it() -> None:
     """SGLang's chat path without continue_final_message makes a final assistant message a
     user turn of its text alone (tool calls dropped)."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     msgs = [
         {"role": "user", "content": "doc", "pic_chunk": True},
-        {"role": "assistant", "content": "A", "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "assistant", "content": "A", "tool_calls": [call]},
     ]
     out = translator().chat({"messages": msgs})
     assert out is not None
     assert "".join(chr(t) for t in out["input_ids"]) == "[user]doc[user]A[assistant]"
-    listed = [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "A"}]}]
-    with pytest.raises(LayoutError, match="final assistant message with a content list"):
-        translator().chat({"messages": listed})
+    # A tool call SGLang's request model refuses is refused here too.
+    bad = [msgs[0], {**msgs[1], "tool_calls": [{"id": "c", "type": "function"}]}]
+    with pytest.raises(LayoutError, match="invalid chat request"):
+        translator().chat({"messages": bad})
