@@ -269,7 +269,8 @@ def write_record(
 
     check()
     tmp = path.parent / tmp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    # Owner only: a record holds its chunk's token ids (``sgl_pic.store.private``).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             for buf in [head, *areas]:
