@@ -213,6 +213,7 @@ class LowerTiers:
                 k=k_pre[:, k.start : k.end].contiguous(),
                 v=v[:, k.start : k.end].contiguous(),
                 ranking=None if ranking is None else ranking[k.start : k.end].float(),
+                namespace=namespace,
             )
             kept += bool(self.store.put(record))
         return kept

@@ -168,6 +168,7 @@ class HostStore(BoundedStore):
             # another thread, where a device tensor's pending copy would not be ordered.
             ranking=None if record.ranking is None else self._copy(record.ranking).float(),
             layer_start=record.layer_start,
+            namespace=record.namespace,
         )
         with self._lock:
             if record.key in self._entries:

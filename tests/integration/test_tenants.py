@@ -160,6 +160,32 @@ def test_no_lookup_crosses_namespaces_in_any_tier(
                 assert hit.tier == "shared" and hit.namespace == space
 
 
+def test_every_tier_keeps_the_namespace_beside_the_record(tiers: Tiers) -> None:
+    """Host, disk and shared records name their tenant, so a tenant's records can be found
+    without knowing their tokens (a restarted server reads it back from the files)."""
+    space = isolation_namespace(None, "keeps-its-name")
+    toks = (41, 42, 43, 44, 45, 46)
+    data = chunk_data(7, len(toks), LAYERS, HEADS, DIM, INV_FREQ)
+    for t in (tiers.host, tiers.disk, tiers.a):
+        t.put_chunk(toks, data.pre_k, data.v, data.ranking, space)
+    tiers.a.store.flush()
+    for t in (tiers.host, tiers.disk, tiers.b):
+        for k in t.keys(toks, space):
+            record = t.store.get(k.digest, toks[k.start : k.end])
+            assert record is not None and record.namespace == space
+    reopened = TieredStore(
+        TieredStoreConfig(
+            host=HostStoreConfig(capacity_bytes=0, pin_memory=False),
+            disk=DiskStoreConfig(root=str(tiers.disk.store.disk.root), capacity_bytes=1 << 22),
+        ),
+        LOWER_FP.digest(),
+    )
+    key = tiers.disk.keys(toks, space)[0]
+    record = reopened.disk.get(key.digest, toks[: key.end])
+    assert record is not None and record.namespace == space
+    reopened.close()
+
+
 # --------------------------------------------------------------------- the gate
 VOCAB = 100
 SIGNER = MarkSigner("secret")
