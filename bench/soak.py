@@ -23,6 +23,10 @@ name one), then runs ``--clients`` threads until the deadline, each sending a ra
 Prompts are a system chunk plus 2-6 MuSiQue passages (``../shared/data/musique_dev.json``,
 truncated to ``--passage-tokens``) drawn from a pool with Zipf popularity, and a question.
 
+With ``--tenants N``, plain, chunked and chat requests go out as one of N tenants (their
+``extra_key`` or ``cache_salt``) or as none, and a probe counts cross-tenant chunk hits,
+which must be 0 (``bench/soak_tenants.py``).
+
 A dedicated client sends the canary (fixed plain /generate, greedy, 8 tokens, with output
 logprobs) every ``--canary-every`` seconds and compares it with the reference it took at
 start on the cold cache: tokens equal, logprobs within 1e-4.
@@ -63,6 +67,8 @@ from typing import Any, NamedTuple
 
 import requests
 from _server import ROOT, STARTUP_TIMEOUT_S
+from soak_tenants import ProbeResult, Quiesce, probe, salt
+from soak_tenants import summarize as summarize_tenants
 
 DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 OUT = Path(__file__).parent / "results" / "soak.json"
@@ -304,6 +310,9 @@ class Workload:
         def ids(text: str) -> list[int]:
             return list(tok(text, add_special_tokens=False)["input_ids"])
 
+        # The tenant probe tokenizes its fresh chunks (on its one thread) with it.
+        self.ids = ids
+
         examples = load_rag_examples(data)
         rng = random.Random(seed)
         texts = [p for ex in examples for p in ex.passages]
@@ -449,7 +458,13 @@ class Client:
         w = self.run.workload
         ids, _ = w.compose(*w.draw(self.rng))
         body = {"input_ids": ids, "sampling_params": self.run.sampling()}
-        return self.run.post(self, "plain", "ids", "/generate", body, valid=True)
+        sub = "ids" + self._salt(body, chat=False)
+        return self.run.post(self, "plain", sub, "/generate", body, valid=True)
+
+    def _salt(self, body: dict[str, Any], chat: bool) -> str:
+        """A tenant's key or salt on ``body`` with ``--tenants``: the record's sub-suffix."""
+        how = salt(body, self.rng, self.run.args.tenants, chat)
+        return f"+{how}" if how else ""
 
     def _chunked(self) -> Record:
         w = self.run.workload
@@ -464,6 +479,7 @@ class Client:
             "pic": {"chunks": spans, "config": _random_config(self.rng, policy)},
             "sampling_params": self.run.sampling(),
         }
+        sub += self._salt(body, chat=False)
         return self.run.post(self, "chunked:" + policy, sub, "/generate", body, valid=True)
 
     def _chat(self) -> Record:
@@ -489,7 +505,7 @@ class Client:
         }
         if self.rng.random() < 0.5:
             body["pic"] = {"config": _random_config(self.rng, self.rng.choice(POLICIES))}
-        sub = "stream" if stream else "whole"
+        sub = ("stream" if stream else "whole") + self._salt(body, chat=True)
         return self.run.post(self, "chat", sub, "/v1/chat/completions", body, valid=True)
 
     def _malformed(self) -> Record:
@@ -504,14 +520,15 @@ class Client:
         gen, up = self.run.server.generation, self.run.server.up.is_set()
         t0 = time.perf_counter()
         try:
-            backend = self.run.backend()
-            state = self.run.program.run(
-                docs=docs,
-                question=w.questions[q],
-                max_new_tokens=self.run.args.max_new_tokens,
-                temperature=0,
-                backend=backend,
-            )
+            with self.run.quiesce.request():
+                backend = self.run.backend()
+                state = self.run.program.run(
+                    docs=docs,
+                    question=w.questions[q],
+                    max_new_tokens=self.run.args.max_new_tokens,
+                    temperature=0,
+                    backend=backend,
+                )
             err = state.error()
             if err is None and not isinstance(state["answer"], str):
                 err = RuntimeError("no answer")
@@ -567,6 +584,9 @@ class Soak:
         self._backends: dict[str, Any] = {}
         self.reference: tuple[list[int], list[float]] | None = None
         self.crashes = 0
+        # Requests of the mix hold it while in flight; the tenant probe runs alone.
+        self.quiesce = Quiesce()
+        self.probes: list[ProbeResult] = []
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -609,13 +629,16 @@ class Soak:
         t0 = time.perf_counter()
         status, err = 0, ""
         try:
-            with client.session.post(
-                url + path,
-                data=data,
-                headers=JSON_HEADERS,
-                timeout=self.args.timeout,
-                stream=stream,
-            ) as r:
+            with (
+                self.quiesce.request(),
+                client.session.post(
+                    url + path,
+                    data=data,
+                    headers=JSON_HEADERS,
+                    timeout=self.args.timeout,
+                    stream=stream,
+                ) as r,
+            ):
                 status = r.status_code
                 if stream and status == 200:
                     events = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
@@ -700,6 +723,27 @@ class Soak:
             while time.monotonic() < min(end, self.deadline):
                 time.sleep(0.5)
 
+    def probe_loop(self) -> None:
+        """The tenant probe every ``--tenant-probe-every`` seconds (``soak_tenants``)."""
+        w = self.workload
+        texts = [p.text for p in w.passages]
+        n = 0
+        while time.monotonic() < self.deadline:
+            end = time.monotonic() + self.args.tenant_probe_every
+            while time.monotonic() < min(end, self.deadline):
+                time.sleep(0.5)
+            if time.monotonic() >= self.deadline or not self.server.up.is_set():
+                continue
+            n += 1
+            with self.quiesce.alone():
+                result = probe(
+                    self.server.url, n, w.ids, texts, w.tails[0], self.args.timeout, self.now()
+                )
+            with self._lock:
+                self.probes.append(result)
+            if result.outcome != "ok":
+                print(f"[{result.t:7.1f} s] tenant probe: {result.outcome} {result.detail}")
+
     # ------------------------------------------------------------------ crash watcher
 
     def watch(self, stop: threading.Event) -> None:
@@ -775,6 +819,7 @@ def summarize(soak: Soak, scans: dict[str, DiskScan], restart_errors: dict[str, 
         "canary_errors": canary.get("error", 0),
         "disk": disk,
         "latency": latency,
+        **({"tenants": summarize_tenants(soak.probes)} if soak.args.tenants else {}),
     }
 
 
@@ -808,6 +853,8 @@ def print_summary(s: dict[str, Any]) -> None:
     print("\n=== soak summary ===")
     print(f"requests {s['requests']}  outcomes {s['by_outcome']}")
     print(f"5xx {s['5xx']}  crashes {s['crashes']}  canary {s['canary_by_outcome']}")
+    if "tenants" in s:
+        print(f"tenants: {json.dumps(s['tenants'])}")
     for kind, errs in s["errors_by_kind"].items():
         print(f"  errors {kind}: {errs}")
     d = s["disk"]
@@ -854,6 +901,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--disk-dir", default=None, help="disk tier (default: a temporary one)")
     ap.add_argument("--server-args", default="", help="extra server flags")
+    ap.add_argument(
+        "--tenants", type=int, default=0, help="tenants mixed in (0: none; >= 2 probes them)"
+    )
+    ap.add_argument(
+        "--tenant-probe-every", type=float, default=30.0, help="seconds between tenant probes"
+    )
     args = ap.parse_args()
     # SGLang's frontend warns with a traceback on every failed request (while the server
     # is down: dozens); each is recorded as a Record already.
@@ -880,6 +933,10 @@ def main() -> int:
                 for i in range(args.clients)
             ]
             threads.append(threading.Thread(target=soak.canary_loop, name="canary", daemon=True))
+            if args.tenants >= 2:
+                threads.append(
+                    threading.Thread(target=soak.probe_loop, name="tenant-probe", daemon=True)
+                )
             watcher = threading.Thread(target=soak.watch, args=(stop,), daemon=True)
             for t in [*threads, watcher]:
                 t.start()
@@ -922,6 +979,7 @@ def main() -> int:
         if soak.reference
         else None,
         "canary_checks": [c._asdict() for c in soak.canary],
+        "tenant_probes": [p._asdict() for p in soak.probes],
         "final_server_metrics": final_metrics,
         "summary": summary,
         "records": [r._asdict() for r in soak.records],
@@ -944,6 +1002,7 @@ def main() -> int:
         or summary["canary_errors"]
         or d.get("lost_after_kill", 0)
         or d.get("corrupt_after_kill", 0)
+        or summary.get("tenants", {}).get("cross_tenant_hits", 0)
     )
     return 1 if failed else 0
 

@@ -11,6 +11,11 @@ records.
 Long chunks are split into segments of at most ``segment_tokens`` tokens, each keyed
 by its parent segment's key plus its own tokens (DARIC 3.3.2), so segment i of a chunk
 is only found when segments 0..i-1 match too.
+
+Every key also names the request's isolation namespace (its tenant: SGLang's
+``extra_key`` and ``cache_salt``, see ``sgl_pic.integration.tenants``), so a chunk one
+tenant stored is never found by another, in any tier; requests without either share the
+default namespace "".
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from dataclasses import asdict, dataclass
 # 2: the fingerprint gained compute dtype, quantization, RoPE, pipeline and attention
 # parallel fields; keys of version 1 never match version 2 ones.
 # 3: it gained the recipe of the ranking stored with each chunk.
-KEY_VERSION = 3
+# 4: chunk and segment keys name the isolation namespace; records of version 3 (stored
+# before, for every tenant alike) are never served again.
+KEY_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -111,25 +118,46 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
 
 
-def chunk_digest(token_ids: Sequence[int], fingerprint: ModelFingerprint) -> str:
-    """SHA-256 key of a whole chunk."""
+def _root(fingerprint: ModelFingerprint, namespace: str) -> str:
+    """Where a namespace's key chains start: the fingerprint's digest for the default
+    namespace, else a digest of it and the namespace (length-prefixed, so no two
+    (fingerprint, namespace) pairs share bytes)."""
+    if not namespace:
+        return fingerprint.digest()
+    h = hashlib.sha256()
+    h.update(b"sgl_pic.namespace\0")
+    h.update(fingerprint.digest().encode())
+    encoded = namespace.encode()
+    h.update(len(encoded).to_bytes(8, "little") + encoded)
+    return h.hexdigest()
+
+
+def chunk_digest(
+    token_ids: Sequence[int], fingerprint: ModelFingerprint, namespace: str = ""
+) -> str:
+    """SHA-256 key of a whole chunk of ``namespace`` ("" the default one)."""
     h = hashlib.sha256()
     h.update(b"sgl_pic.chunk\0")
-    h.update(fingerprint.digest().encode())
+    h.update(_root(fingerprint, namespace).encode())
     h.update(len(token_ids).to_bytes(8, "little"))
     h.update(_token_bytes(token_ids))
     return h.hexdigest()
 
 
 def segment_keys(
-    token_ids: Sequence[int], fingerprint: ModelFingerprint, segment_tokens: int = 256
+    token_ids: Sequence[int],
+    fingerprint: ModelFingerprint,
+    segment_tokens: int = 256,
+    namespace: str = "",
 ) -> tuple[SegmentKey, ...]:
-    """Chained keys of the segments of one chunk, in order."""
+    """Chained keys of the segments of one chunk of ``namespace`` ("" the default one),
+    in order; the chain starts from the namespace's root, so no segment key of one
+    namespace is a key of another."""
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
     if len(token_ids) == 0:
         raise ValueError("a chunk needs at least one token")
-    parent = fingerprint.digest()
+    parent = _root(fingerprint, namespace)
     keys: list[SegmentKey] = []
     for start in range(0, len(token_ids), segment_tokens):
         seg = token_ids[start : start + segment_tokens]

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+from dataclasses import asdict
 
 import pytest
 
@@ -103,3 +106,23 @@ def test_bad_segment_arguments() -> None:
         segment_keys([], FP)
     with pytest.raises(ValueError):
         segment_keys([1], FP, segment_tokens=0)
+
+
+def test_keys_name_the_namespace_and_version_3_keys_are_never_found() -> None:
+    """Each namespace's chain starts apart, even where one name is a prefix of another;
+    and no key of the default namespace equals one made before namespaces existed."""
+    toks = list(range(600))
+    spaces = ["", "a", "ab", "b"]
+    seg = {ns: segment_keys(toks, FP, 256, ns) for ns in spaces}
+    whole = {ns: chunk_digest(toks, FP, ns) for ns in spaces}
+    assert len({k.digest for ks in seg.values() for k in ks}) == 3 * len(spaces)
+    assert len(set(whole.values())) == len(spaces)
+    assert segment_keys(toks, FP, 256) == seg[""]
+
+    # The version-3 key of the same chunk (the code before namespaces): never matched.
+    payload = json.dumps({"v": 3, **asdict(FP)}, sort_keys=True)
+    h = hashlib.sha256(b"sgl_pic.segment\0")
+    h.update(hashlib.sha256(payload.encode()).hexdigest().encode())
+    h.update((256).to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in toks[:256]))
+    assert h.hexdigest() not in {k.digest for ks in seg.values() for k in ks}

@@ -7,6 +7,9 @@ post-RoPE at positions 0..n-1 of the chunk, exactly as phase 1 wrote them. So th
 allocator accounts for every cached chunk token; ``ChunkRadixCache`` reports them as
 evictable (unlocked) or protected (locked) beside SGLang's own prefix nodes.
 
+Keys name the isolation namespace of the request that stored the chunk
+(``sgl_pic.integration.tenants``): a lookup finds only its own namespace's nodes.
+
 A node is immutable once inserted: hits are copied out into the request's own slots and
 re-rotated there. Eviction takes leaves only (a segment whose successor is held stays, or
 the successor could never hit again), never a locked node, in the table's policy order
@@ -34,6 +37,7 @@ class ChunkNode:
     slots:    # [allocated] int64 pool slots; the first ``num_tokens`` hold the KV, the
               rest pad the allocation to whole pages.
     ranking:  # [num_tokens] CacheTune ranking, or None.
+    namespace: the isolation namespace it was stored under ("" the default).
     """
 
     key: str
@@ -41,6 +45,7 @@ class ChunkNode:
     slots: torch.Tensor
     num_tokens: int
     ranking: torch.Tensor | None
+    namespace: str = ""
     lock_ref: int = 0
     children: int = 0
     last_access: int = 0
@@ -130,12 +135,13 @@ class ChunkNodeTable:
         return key in self._nodes
 
     # ----------------------------------------------------------------- lookup
-    def keys(self, token_ids: Sequence[int]) -> tuple[SegmentKey, ...]:
-        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens)
+    def keys(self, token_ids: Sequence[int], namespace: str = "") -> tuple[SegmentKey, ...]:
+        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens, namespace)
 
-    def match(self, token_ids: Sequence[int]) -> ChunkHit | None:
-        """The chunk's nodes if every segment is held (touching them), else None."""
-        keys = self.keys(token_ids)
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> ChunkHit | None:
+        """The chunk's nodes in ``namespace`` if every segment is held (touching them),
+        else None."""
+        keys = self.keys(token_ids, namespace)
         nodes = [self._nodes.get(k.digest) for k in keys]
         if any(n is None for n in nodes):
             return None
@@ -154,12 +160,13 @@ class ChunkNodeTable:
         self,
         token_ids: Sequence[int],
         ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
     ) -> tuple[tuple[ChunkNode, ...], tuple[SegmentKey, ...]] | None:
-        """Allocates the segments not yet held and links them in; returns (new nodes,
-        their keys) for the caller to fill with KV before anything reads them (the
-        scheduler thread does both, so nothing can read them in between). None when the
-        slots cannot be had within the capacity; nothing is changed then."""
-        keys = self.keys(token_ids)
+        """Allocates the segments of ``namespace`` not yet held and links them in; returns
+        (new nodes, their keys) for the caller to fill with KV before anything reads them
+        (the scheduler thread does both, so nothing can read them in between). None when
+        the slots cannot be had within the capacity; nothing is changed then."""
+        keys = self.keys(token_ids, namespace)
         missing = [k for k in keys if k.digest not in self._nodes]
         if not missing:
             return (), ()
@@ -200,6 +207,7 @@ class ChunkNodeTable:
                 slots=slots[at : at + take],
                 num_tokens=n,
                 ranking=None if ranking is None else ranking[k.start : k.end].clone(),
+                namespace=namespace,
                 last_access=now,
                 priority=gdsf_priority(self._age, 1, take),
             )

@@ -295,13 +295,19 @@ class ChunkExecutor:
         store it."""
         keep = start if keep is None else keep
         chunk_ids = plan.pending.token_ids[start:end]
-        if chunk_ids in self.promoter:
-            # Its full load is already under way: finishing it costs less than loading
-            # the chunk again from the lower tier.
-            self.promoter.finish(chunk_ids, self.feed_timeout_s)
-        hit = self.nodes.match(chunk_ids)
+        # Only the request's own namespace and the public ones it may read, own first
+        # (``gate.Pending``): no lookup of any tier crosses into another tenant's chunks.
+        readable = plan.pending.readable
+        for ns in readable:
+            if (ns, chunk_ids) in self.promoter:
+                # Its full load is already under way: finishing it costs less than loading
+                # the chunk again from the lower tier.
+                self.promoter.finish((ns, chunk_ids), self.feed_timeout_s)
+        hit = next(
+            (h for ns in readable if (h := self.nodes.match(chunk_ids, ns)) is not None), None
+        )
         if hit is not None:
-            self._sighted(chunk_ids, stored=True)
+            self._sighted(plan, chunk_ids, stored=True)
             self.nodes.lock(hit.nodes)
             plan.locked_nodes.extend(hit.nodes)
             # Rows keep - start.. hold keys at those chunk positions: moving them by
@@ -310,20 +316,27 @@ class ChunkExecutor:
             return ChunkLookup("device", hit.ranking)
         if keep > start:
             return ChunkLookup(None, None)  # recomputed in context whatever admission says
-        lower = self.lower.match(chunk_ids) if self.lower is not None else None
+        lower = None
+        if self.lower is not None:
+            lower = next(
+                (h for ns in readable if (h := self.lower.match(chunk_ids, ns)) is not None),
+                None,
+            )
         if lower is None:
-            return ChunkLookup(None, None, self._sighted(chunk_ids, stored=False))
+            return ChunkLookup(None, None, self._sighted(plan, chunk_ids, stored=False))
         assert self.lower is not None
-        self._sighted(chunk_ids, stored=True)
+        self._sighted(plan, chunk_ids, stored=True)
         for k in lower.keys:
             if self.lower.store.lock(k.digest):
                 plan.locked_keys.append(k.digest)
         plan.lower.append((start, end, lower))
         return ChunkLookup(lower.tier, lower.ranking)
 
-    def _sighted(self, chunk_ids: tuple[int, ...], stored: bool) -> bool:
-        """Tells store admission of one lookup; whether a miss is stored."""
-        return self._batch_admission.lookup(hash(chunk_ids), stored)
+    def _sighted(self, plan: RequestPlan, chunk_ids: tuple[int, ...], stored: bool) -> bool:
+        """Tells store admission of one lookup; whether a miss is stored. Sightings count
+        per namespace: one tenant's traffic never changes how another's misses are
+        handled."""
+        return self._batch_admission.lookup(hash((plan.pending.namespace, chunk_ids)), stored)
 
     # ----------------------------------------------------------------- phase 1
     def _phase1(self, stack: Stack, live: Any, plans: dict[int, RequestPlan]) -> None:
@@ -362,10 +375,11 @@ class ChunkExecutor:
                 ranking = cachetune_ranking(
                     k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.reduce
                 )
-                self._store(chunk_ids, kv, ranking)
+                ns = plan.pending.namespace  # stored in its own namespace only
+                self._store(chunk_ids, kv, ranking, ns)
                 if self.lower is not None:
                     # Write-through: the host tier then puts it on disk in the background.
-                    self.lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking)
+                    self.lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns)
                 self.kv.write_rotated(slots, kv, start)
             i = next(j for j, s in enumerate(plan.layout.chunks) if s.start == start)
             plan.rankings[i] = ranking.cpu()
@@ -380,9 +394,13 @@ class ChunkExecutor:
         chunk_ids: tuple[int, ...],
         kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
         ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
     ) -> None:
-        """New chunk nodes for the segments not held, when the pool share has room."""
-        inserted = self.nodes.insert(chunk_ids, ranking) if self.nodes.capacity_tokens else ()
+        """New chunk nodes of ``namespace`` for the segments not held, when the pool share
+        has room."""
+        inserted = (
+            self.nodes.insert(chunk_ids, ranking, namespace) if self.nodes.capacity_tokens else ()
+        )
         if inserted is None:
             self.metrics.node_insert_failures.inc()
         elif inserted:
@@ -396,10 +414,14 @@ class ChunkExecutor:
                 raise
 
     def _store_locked(
-        self, chunk_ids: tuple[int, ...], kv: torch.Tensor, ranking: torch.Tensor | None
+        self,
+        chunk_ids: tuple[int, ...],
+        kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
+        ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
     ) -> None:
         with single_thread():
-            self._store(chunk_ids, kv, ranking)
+            self._store(chunk_ids, kv, ranking, namespace)
 
     # ----------------------------------------------------------------- phase 2
     def _phase2(
@@ -662,7 +684,9 @@ class ChunkExecutor:
         """Lower-tier chunks the request used become chunk nodes (``Promoter``)."""
         for plan in plans.values():
             for start, end, hit in plan.lower + plan.loaded_whole:
-                self.promoter.submit(hit, plan.pending.token_ids[start:end], hit.ranking)
+                self.promoter.submit(
+                    hit, plan.pending.token_ids[start:end], hit.ranking, hit.namespace
+                )
 
     def _release(self, plans: dict[int, RequestPlan]) -> None:
         for plan in plans.values():

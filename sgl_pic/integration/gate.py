@@ -14,7 +14,12 @@ for every HTTP path and for clients that bypass our middleware:
   requests making the same approximation (policy and budget). A namespace of ours that a
   request claims without verified marks is moved aside, so approximate KV never reaches a
   plain or exact request. Turns of SGLang sessions run exact: a streaming session hands
-  a turn its history's KV outside the prefix tree's namespaces.
+  a turn its history's KV outside the prefix tree's namespaces;
+- the request's isolation namespace (its tenant, ``tenants.isolation_namespace`` of the
+  client's ``extra_key`` and ``cache_salt``) is fixed here and travels in ``Pending``, so
+  every chunk tier stores and finds its chunks under it alone, plus the server's public
+  namespaces when the request asks for the public scope (refused where none is shared).
+  Marks carrying a key of ours besides the signed ones are forged and not honoured.
 
 Never raises: a failure inside the gate means exact prefill for that request.
 """
@@ -30,12 +35,14 @@ from sgl_pic.config import PicConfig
 from sgl_pic.integration.metrics import PicMetrics
 from sgl_pic.integration.spans import (
     INTERNAL_PREFIX,
+    MARK_KEYS,
     LimitError,
     MarkSigner,
     PicRequest,
     decode,
     has_marks,
 )
+from sgl_pic.integration.tenants import DEFAULT_NAMESPACE, TenantPolicy, isolation_namespace
 from sgl_pic.layout import LayoutError
 
 logger = logging.getLogger(__name__)
@@ -50,10 +57,16 @@ UNTRUSTED_NAMESPACE = "untrusted-namespace:"
 @dataclass(frozen=True)
 class Pending:
     """A chunked request's verified marks and the exact token ids they were verified for;
-    the executor uses them only for a request whose ids still equal ``token_ids``."""
+    the executor uses them only for a request whose ids still equal ``token_ids``.
+
+    namespace: the isolation namespace its chunks are stored under and found in.
+    readable:  the namespaces its lookups may hit, ``namespace`` first (then the public
+               ones it asked for)."""
 
     request: PicRequest
     token_ids: tuple[int, ...]
+    namespace: str = DEFAULT_NAMESPACE
+    readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
 
 
 def namespace(config: PicConfig, user_key: str | None, calibrated_r: bool = False) -> str:
@@ -97,7 +110,9 @@ class AdmissionGate:
     """signer: None when reuse is off in this process (SGLang's own launcher gave no
     secret, or the attention backend is not supported): then no marks are honoured.
     calibrated_r: whether the executor sets CacheTune's r per tier (``--pic-calibrate``);
-    its requests then share the "calibrated" namespace (``namespace``)."""
+    its requests then share the "calibrated" namespace (``namespace``).
+    tenants: which namespaces a request asking for the public scope may read (none by
+    default)."""
 
     def __init__(
         self,
@@ -106,8 +121,10 @@ class AdmissionGate:
         vocab_size: int,
         metrics: PicMetrics,
         calibrated_r: bool = False,
+        tenants: TenantPolicy | None = None,
     ) -> None:
         self.config = config
+        self.tenants = tenants or TenantPolicy()
         self.signer = signer
         self.vocab_size = vocab_size
         self.metrics = metrics
@@ -148,6 +165,14 @@ class AdmissionGate:
         if claims_namespace or self.signer is None or not self.signer.verify(ids, custom):
             self._ignore(req, "reuse_off" if self.signer is None else "bad_signature")
             return None
+        if any(
+            isinstance(k, str) and k.startswith(INTERNAL_PREFIX) and k not in MARK_KEYS
+            for k in custom
+        ):
+            # A key of ours the MAC does not cover (a namespace, say) was added to signed
+            # marks: nothing of ours reads it, but the marks are not what we signed.
+            self._ignore(req, "bad_signature")
+            return None
         if getattr(req, "lora_id", None):
             # Chunk keys name the base model's weights, not an adapter's.
             self._ignore(req, "lora")
@@ -174,6 +199,12 @@ class AdmissionGate:
         if pic.layout.num_tokens != len(ids):
             self._ignore(req, "malformed")
             return None
+        own = isolation_namespace(extra, getattr(req, "cache_salt", None))
+        try:
+            readable = self.tenants.readable(own, pic.public_scope)
+        except PermissionError as e:
+            self.metrics.requests_refused.labels(reason="public_scope").inc()
+            return str(e)
         config = pic.config(self.config)
         # The same test as ``planner.calibrated``: calibration sets r unless the request did.
         calibrated = (
@@ -182,7 +213,7 @@ class AdmissionGate:
             and "cachetune_r" not in pic.overrides
         )
         req.extra_key = namespace(config, extra, calibrated)
-        setattr(req, PENDING_ATTR, Pending(pic, tuple(ids)))
+        setattr(req, PENDING_ATTR, Pending(pic, tuple(ids), own, readable))
         return None
 
     def _ignore(self, req: Any, reason: str) -> None:

@@ -50,11 +50,13 @@ class LowerHit(NamedTuple):
     tier:    the slowest tier any segment is read from ("host", "disk" or "shared").
     keys:    the segments' keys, in order.
     ranking: # [n] the chunk's CacheTune ranking, or None if a segment has none.
+    namespace: the isolation namespace the chunk was found in.
     """
 
     tier: Tier
     keys: tuple[SegmentKey, ...]
     ranking: torch.Tensor | None
+    namespace: str = ""
 
 
 class LowerTiers:
@@ -146,13 +148,14 @@ class LowerTiers:
         afterwards; nothing more reaches the disk. See ``lifecycle`` for when it runs."""
         return self.store.shutdown(timeout_s, stop)
 
-    def keys(self, token_ids: Sequence[int]) -> tuple[SegmentKey, ...]:
-        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens)
+    def keys(self, token_ids: Sequence[int], namespace: str = "") -> tuple[SegmentKey, ...]:
+        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens, namespace)
 
-    def match(self, token_ids: Sequence[int]) -> LowerHit | None:
-        """Whether every segment is held, and the chunk's ranking (read from the record in
-        host memory, or from the file header on disk). Changes no access counts."""
-        keys = self.keys(token_ids)
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> LowerHit | None:
+        """Whether every segment of the chunk in ``namespace`` is held, and the chunk's
+        ranking (read from the record in host memory, or from the file header on disk).
+        Changes no access counts."""
+        keys = self.keys(token_ids, namespace)
         tiers: list[Tier] = []
         rankings: list[torch.Tensor | None] = []
         for k in keys:
@@ -166,7 +169,7 @@ class LowerTiers:
             rankings.append(peek.ranking)
         slowest = max(tiers, key=LOWER_TIERS.index)
         ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
-        return LowerHit(slowest, keys, ranking)
+        return LowerHit(slowest, keys, ranking, namespace)
 
     def placements(
         self,
@@ -196,9 +199,11 @@ class LowerTiers:
         k_pre: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim], keys before RoPE
         v: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
         ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
     ) -> int:
-        """Writes the chunk's segments not yet held; returns how many were newly kept."""
-        keys = [k for k in self.keys(token_ids) if not self.store.contains(k.digest)]
+        """Writes the chunk's segments of ``namespace`` not yet held; returns how many were
+        newly kept."""
+        keys = [k for k in self.keys(token_ids, namespace) if not self.store.contains(k.digest)]
         kept = 0
         for k in keys:
             record = ChunkKV(
@@ -208,6 +213,7 @@ class LowerTiers:
                 k=k_pre[:, k.start : k.end].contiguous(),
                 v=v[:, k.start : k.end].contiguous(),
                 ranking=None if ranking is None else ranking[k.start : k.end].float(),
+                namespace=namespace,
             )
             kept += bool(self.store.put(record))
         return kept

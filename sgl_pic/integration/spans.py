@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from sgl_pic.config import PicConfig
+from sgl_pic.integration.tenants import PUBLIC_SCOPE_OPTION
 from sgl_pic.layout import LayoutError, PromptLayout
 
 # custom_params values must be JSON scalars, flat lists or flat dicts (msgpack IPC), so the
@@ -26,6 +27,8 @@ CHUNKS_KEY = "sgl_pic_chunks"
 NUM_TOKENS_KEY = "sgl_pic_num_tokens"
 CONFIG_KEY = "sgl_pic_config"
 MAC_KEY = "sgl_pic_mac"
+# The only keys of ours marks may carry; any other is forged (the gate ignores the marks).
+MARK_KEYS = frozenset({CHUNKS_KEY, NUM_TOKENS_KEY, CONFIG_KEY, MAC_KEY})
 # Every key or prefix-tree namespace of ours starts with this; a client may send none.
 INTERNAL_PREFIX = "sgl_pic"
 # Per-request overrides a client may send; server-only settings (page size, segment length,
@@ -51,10 +54,13 @@ OVERRIDABLE = frozenset(
 
 @dataclass(frozen=True)
 class PicRequest:
-    """layout: validated chunk spans; overrides: per-request PicConfig fields."""
+    """layout: validated chunk spans; overrides: per-request PicConfig fields;
+    public_scope: whether the request asked to read the server's public chunk namespaces
+    (``sgl_pic.integration.tenants``) besides its own."""
 
     layout: PromptLayout
     overrides: Mapping[str, Any]
+    public_scope: bool = False
 
     def config(self, base: PicConfig) -> PicConfig:
         return base.with_overrides(**dict(self.overrides)) if self.overrides else base
@@ -116,13 +122,19 @@ def check_overrides(overrides: Any, base: PicConfig) -> dict[str, Any]:
         return {}
     if not isinstance(overrides, dict):
         raise LayoutError(f"'config' must be an object, got {type(overrides).__name__}")
-    bad = sorted(set(overrides) - OVERRIDABLE)
+    bad = sorted(set(overrides) - OVERRIDABLE - {PUBLIC_SCOPE_OPTION})
     if bad:
         raise LayoutError(
-            f"settings {bad} cannot be overridden per request; allowed: {sorted(OVERRIDABLE)}"
+            f"settings {bad} cannot be overridden per request; allowed: "
+            f"{sorted(OVERRIDABLE | {PUBLIC_SCOPE_OPTION})}"
         )
+    if PUBLIC_SCOPE_OPTION in overrides and not isinstance(overrides[PUBLIC_SCOPE_OPTION], bool):
+        raise LayoutError(
+            f"'{PUBLIC_SCOPE_OPTION}' must be true or false, got {overrides[PUBLIC_SCOPE_OPTION]!r}"
+        )
+    fields = {k: v for k, v in overrides.items() if k != PUBLIC_SCOPE_OPTION}
     try:
-        base.with_overrides(**overrides)
+        base.with_overrides(**fields)
     except (TypeError, ValueError) as e:
         raise LayoutError(str(e)) from e
     return dict(overrides)
@@ -156,7 +168,8 @@ def decode(custom_params: Mapping[str, Any], base: PicConfig) -> PicRequest:
     layout = PromptLayout.from_spans(n, pairs)
     overrides = check_overrides(custom_params.get(CONFIG_KEY) or {}, base)
     check_limits(layout, base)
-    return PicRequest(layout, overrides)
+    public = bool(overrides.pop(PUBLIC_SCOPE_OPTION, False))
+    return PicRequest(layout, overrides, public)
 
 
 class SpecialTokens(NamedTuple):

@@ -40,6 +40,13 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_namespace(namespace: str) -> str:
+    """``namespace`` if it is "" (the default) or a 64-digit lowercase hex digest."""
+    if namespace != "":
+        check_key(namespace)
+    return namespace
+
+
 def hash_token_ids(token_ids: Sequence[int]) -> str:
     """SHA-256 of the token ids as little-endian uint32 (the encoding of sgl_pic.keys)."""
     arr = np.asarray(token_ids, dtype=np.int64)
@@ -63,6 +70,10 @@ class ChunkKV:
                   or None.
     layer_start:  model layer of ``k[0]``; the record holds layers
                   [layer_start, layer_start + num_layers) (pipeline-parallel shards).
+    namespace:    the isolation namespace (tenant) the record was stored under: "" (the
+                  default) or a 64-digit hex digest (``sgl_pic.integration.tenants``). The
+                  key already names it; it is kept beside the KV so that a tenant's records
+                  can be found without knowing their tokens.
     """
 
     key: str
@@ -72,10 +83,12 @@ class ChunkKV:
     v: torch.Tensor
     ranking: torch.Tensor | None = None
     layer_start: int = 0
+    namespace: str = ""
 
     def __post_init__(self) -> None:
         check_key(self.key)
         check_key(self.model_digest)
+        check_namespace(self.namespace)
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
         if self.k.dim() != 4 or self.k.shape != self.v.shape:
             raise RecordShapeError(

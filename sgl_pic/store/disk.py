@@ -76,6 +76,7 @@ from sgl_pic.store.format import (
     tmp_owner,
     write_record,
 )
+from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
 
 # Counted as "enospc": the device is full, a quota is spent, or the process's file-size
 # limit is reached; each means this record cannot be written now.
@@ -163,7 +164,9 @@ class DiskStore(BoundedStore):
         super().__init__(model_digest, config.capacity_bytes, config.policy, layout)
         self.config = config
         self.root = Path(config.root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.root)
+        self._root_mode = os.stat(self.root).st_mode
+        self._loose_records = 0  # found at start-up, for ``private.report``
         # Keys being written -> their file size, reserved against the capacity until the
         # write ends (their sum is the reservation).
         self._pending: dict[str, int] = {}
@@ -172,6 +175,10 @@ class DiskStore(BoundedStore):
         # time.monotonic() before which the lowered capacity is not checked for regrowth.
         self._regrow_at = 0.0
         self._rebuild_index()
+        self.at_rest = LooseModes(
+            self._root_mode if is_loose(self._root_mode) else None, self._loose_records
+        )
+        report(self.root, self.at_rest)
 
     def path_of(self, key: str) -> Path:
         """Where ``key``'s file lives: derived from the digest alone."""
@@ -204,6 +211,7 @@ class DiskStore(BoundedStore):
                         raise CorruptRecordError(f"{path.name} holds key {header.key[:12]}")
                     # lstat: read_header accepted a regular file, never a link's target.
                     st = os.lstat(path)
+                    self._loose_records += is_loose(st.st_mode)
                 except StoreError as exc:
                     self._count_bad(exc, path)
                     continue
@@ -396,7 +404,7 @@ class DiskStore(BoundedStore):
         path = self.path_of(record.key)
         err: OSError | None = None
         try:
-            path.parent.mkdir(exist_ok=True)
+            make_private_dir(path.parent)
             write_record(path, enc, cancel=self._abort)
         except OSError as exc:
             # write_record removed its temp file; the record simply is not persisted.

@@ -46,6 +46,7 @@ from sgl_pic.store.base import (
     DTYPES,
     ChunkKV,
     check_key,
+    check_namespace,
     hash_token_ids,
     layer_offsets,
     normalize_indices,
@@ -129,6 +130,8 @@ class RecordHeader:
 
     ranking:  # [num_tokens] float32 or None.
     k_sums / v_sums: per layer, the concatenated SHA-256 digests of its blocks.
+    namespace: the record's isolation namespace (``ChunkKV.namespace``); "" in files
+               written before it was kept.
     """
 
     version: int
@@ -147,6 +150,7 @@ class RecordHeader:
     k_sums: tuple[bytes, ...]
     v_sums: tuple[bytes, ...]
     data_offset: int
+    namespace: str = ""
 
     @property
     def row_bytes(self) -> int:
@@ -220,6 +224,7 @@ def encode_header(record: ChunkKV, block_tokens: int) -> tuple[bytes, list[np.nd
         "block_tokens": block_tokens,
         "k_sums": k_sums,
         "v_sums": v_sums,
+        "namespace": record.namespace,
     }
     body = msgpack.packb(header, use_bin_type=True)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), hashlib.sha256(body).digest())
@@ -269,7 +274,8 @@ def write_record(
 
     check()
     tmp = path.parent / tmp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    # Owner only: a record holds its chunk's token ids (``sgl_pic.store.private``).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             for buf in [head, *areas]:
@@ -373,6 +379,7 @@ def _parse_header(
             k_sums=tuple(_bytes(s) for s in _list(h["k_sums"])),
             v_sums=tuple(_bytes(s) for s in _list(h["v_sums"])),
             data_offset=PREFIX_BYTES + header_len + (-(PREFIX_BYTES + header_len) % ALIGN),
+            namespace=check_namespace(_str(h.get("namespace", ""))),
         )
     except (KeyError, TypeError, ValueError, OverflowError, msgpack.UnpackException) as exc:
         raise CorruptRecordError(f"unreadable header: {exc}") from exc
@@ -589,6 +596,7 @@ class RecordFile:
             v=v,
             ranking=h.ranking,
             layer_start=h.layer_start,
+            namespace=h.namespace,
         )
 
 

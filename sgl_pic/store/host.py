@@ -164,8 +164,11 @@ class HostStore(BoundedStore):
             token_ids=record.token_ids,
             k=self._copy(record.k),
             v=self._copy(record.v),
-            ranking=None if record.ranking is None else record.ranking.to(torch.float32).clone(),
+            # On the CPU like the KV, copied synchronously: the disk writer reads it on
+            # another thread, where a device tensor's pending copy would not be ordered.
+            ranking=None if record.ranking is None else self._copy(record.ranking).float(),
             layer_start=record.layer_start,
+            namespace=record.namespace,
         )
         with self._lock:
             if record.key in self._entries:

@@ -349,6 +349,7 @@ class SharedStore(ChunkStore):
             v=v,
             ranking=header.ranking,
             layer_start=header.layer_start,
+            namespace=header.namespace,
         )
 
     def _forget(self, key: str) -> None:

@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 import time
 
@@ -323,3 +324,28 @@ def test_write_back_jobs_run_confined_to_their_thread():
     assert wb.submit(lambda: seen.append(torch.get_num_threads()))
     wb.close()
     assert seen == [1]
+
+
+class OnDevice(torch.Tensor):
+    """A tensor that reports a GPU as its device, as a ranking fresh from a CUDA forward
+    does; torch ops on it (``clone``, ``to``) keep reporting that device."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def test_rankings_are_kept_as_plain_cpu_copies():
+    """The host tier's records are read by the disk writer on another thread: a ranking
+    must not stay a device tensor (nor share the caller's buffer) there."""
+    record = make_record()
+    src = record.ranking.clone().as_subclass(OnDevice)
+    assert src.device.type == "cuda" and src.clone().device.type == "cuda"
+    store = host()
+    assert store.put(dataclasses.replace(record, ranking=src))
+    got = store.get(record.key, record.token_ids)
+    assert got is not None and got.ranking is not None
+    assert type(got.ranking) is torch.Tensor and got.ranking.device.type == "cpu"
+    assert got.ranking.dtype == torch.float32
+    assert got.ranking.data_ptr() != src.data_ptr()
+    torch.testing.assert_close(got.ranking, record.ranking)
