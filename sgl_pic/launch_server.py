@@ -143,6 +143,14 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         "(started by scripts/shared_store.sh); '' (default): off",
     )
     g.add_argument(
+        "--pic-public-namespaces",
+        default="",
+        metavar="NAMES",
+        help="namespaces (a cache_salt or extra_key value, comma list) whose chunks any "
+        "request asking for the public scope ('pic': {'config': {'public_scope': true}}) "
+        "may read; '' (default): tenants share nothing",
+    )
+    g.add_argument(
         "--pic-auto-chunk",
         default="",
         metavar="ROLES",
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         max_body_mb=ns.pic_max_body_mb,
         max_json_depth=ns.pic_max_json_depth,
         shared_store=ns.pic_shared_store,
+        public_namespaces=ns.pic_public_namespaces,
         auto_chunk=ns.pic_auto_chunk,
         refused=refused,
         secret=secrets.token_hex(32),

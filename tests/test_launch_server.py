@@ -49,6 +49,7 @@ def test_disable_serves_plain_sglang() -> None:
         {"eviction": "mru"},
         {"admission": "never"},
         {"calibrate": True, "host_cache_mb": 0, "disk_cache_dir": ""},
+        {"public_namespaces": ["corpus"]},
     ],
 )
 def test_bad_server_settings_are_refused(bad: dict) -> None:
@@ -70,6 +71,19 @@ def test_eviction_policy_reaches_the_settings() -> None:
     assert PicServerSettings(PicConfig(), eviction=ns.pic_eviction).eviction == "lru"
     with pytest.raises(SystemExit):
         build([*MODEL, "--pic-eviction", "mru"])
+
+
+def test_public_namespaces_reach_the_scheduler_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_pic.integration.tenants import TenantPolicy, tenant_policy
+
+    assert build(MODEL)[1].pic_public_namespaces == ""  # tenants share nothing by default
+    _, ns, _ = build([*MODEL, "--pic-public-namespaces", "corpus,docs"])
+    s = PicServerSettings(PicConfig(), public_namespaces=ns.pic_public_namespaces)
+    monkeypatch.delenv("SGLPIC_SETTINGS", raising=False)
+    s.to_env()  # what the scheduler process reads
+    shared = TenantPolicy.from_names(["corpus", "docs"])
+    assert tenant_policy(PicServerSettings.from_env()) == shared
+    assert tenant_policy(PicServerSettings(PicConfig())).public == frozenset()
 
 
 def test_admission_mode_reaches_the_settings() -> None:

@@ -55,7 +55,7 @@ from sgl_pic.integration.phases import (
 )
 from sgl_pic.integration.planner import ChunkLookup, RequestPlan
 from sgl_pic.integration.promoter import Promoter
-from sgl_pic.integration.query_probe import ProbeCut, QueryProbe
+from sgl_pic.integration.query_probe import ProbeCut, QueryProbe, host_scores
 from sgl_pic.selection import cachetune_ranking, make_policy
 from sgl_pic.selection.query_aware import query_positions
 from sgl_pic.store.admission import BatchAdmission, StoreAdmission
@@ -150,7 +150,7 @@ class ChunkExecutor:
         rids = live.rids
         if not handoff or rids is None:
             return None
-        pool_idx = live.req_pool_indices.tolist()
+        pool_idx = planner.pool_rows(live)
         prefix_lens = list(live.extend_prefix_lens_cpu)
         ext_lens = list(live.extend_seq_lens_cpu)
         specs: dict[int, tuple[int, int, int, Pending, PicConfig]] = {}
@@ -374,7 +374,7 @@ class ChunkExecutor:
                 # The server's alpha: the chunk's keys name it (``ranking_recipe``).
                 ranking = cachetune_ranking(
                     k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.reduce
-                )
+                ).cpu()  # read on the host once: the plan, the chunk node and the tiers use it
                 ns = plan.pending.namespace  # stored in its own namespace only
                 self._store(chunk_ids, kv, ranking, ns)
                 if self.lower is not None:
@@ -382,7 +382,7 @@ class ChunkExecutor:
                     self.lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns)
                 self.kv.write_rotated(slots, kv, start)
             i = next(j for j, s in enumerate(plan.layout.chunks) if s.start == start)
-            plan.rankings[i] = ranking.cpu()
+            plan.rankings[i] = ranking
             assert plan.stats is not None
             plan.stats = plan.stats._replace(
                 misses=plan.stats.misses + 1,
@@ -434,7 +434,7 @@ class ChunkExecutor:
         """One phase batch: every chunked request's runs and every plain request."""
         prefix_lens = list(live.extend_prefix_lens_cpu)
         ext_lens = list(live.extend_seq_lens_cpu)
-        pool_idx = live.req_pool_indices.tolist()
+        pool_idx = planner.pool_rows(live)
         runs: dict[int, list[Run]] = {}
         t0 = time.perf_counter()
         scores = self._query_attention(stack, live, plans)
@@ -645,7 +645,7 @@ class ChunkExecutor:
             pass
         finally:
             self.phases.after_attention = []
-        return {b: probe.scores for b, probe in probes.items()}
+        return dict(zip(probes, host_scores(list(probes.values())), strict=True))
 
     def _run(self, kind: str, stack: Stack, phase: PhaseBatch) -> torch.Tensor:
         """``phases.run``, counted by kind (``PicMetrics.phase_forwards``) before it runs,

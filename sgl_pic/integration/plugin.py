@@ -80,6 +80,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.integration.self_check import check_page_size
     from sgl_pic.integration.settings import PicServerSettings
     from sgl_pic.integration.spans import MarkSigner
+    from sgl_pic.integration.tenants import tenant_policy
     from sgl_pic.selection import ranking_recipe
     from sgl_pic.store.admission import StoreAdmission
 
@@ -190,7 +191,9 @@ def build_tree_cache(ctx: Any) -> Any:
             "requests; batches with chunked requests run eagerly"
         )
     signer = MarkSigner(settings.secret) if settings.secret else None
-    _gate = AdmissionGate(settings.config, signer, vocab_size, metrics, ratios is not None)
+    _gate = AdmissionGate(
+        settings.config, signer, vocab_size, metrics, ratios is not None, tenant_policy(settings)
+    )
     logger.info(
         "sgl_pic chunk cache ready: policy=%s, model %s, attention backend %s, chunk nodes up "
         "to %d of %d pool slots, host tier %d MiB, disk tier %s, %d layers, rotary dim %d (%s)",

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from sgl_pic.config import PicConfig
 from sgl_pic.integration.chat_chunks import parse_roles
 from sgl_pic.integration.layer_feed import FEED_MODES
+from sgl_pic.integration.tenants import TenantPolicy, parse_names
 from sgl_pic.store.admission import check_mode
 from sgl_pic.store.eviction import check_policy
 
@@ -46,6 +47,9 @@ class PicServerSettings:
                           itself, a comma list of ``chat_chunks.AUTO_CHUNK_ROLES`` (tool
                           results, documents, earlier turns by role); "" turns it off
                           (requests may still ask with ``"pic": {"auto_chunk": ...}``).
+    public_namespaces:    comma list of namespace names (a ``cache_salt`` or ``extra_key``
+                          value) whose chunks requests asking for the public scope may read
+                          (``tenants.TenantPolicy``); "" (default): tenants share nothing.
     eviction:             eviction order of chunk nodes, host and disk tiers: "gdsf"
                           (recency, hits and size: a stream of novel chunks does not push
                           out the ones in steady use), "lru" or "lfu"
@@ -77,6 +81,7 @@ class PicServerSettings:
     max_json_depth: int = 64
     shared_store: str = ""
     auto_chunk: str = ""
+    public_namespaces: str = ""
     eviction: str = "gdsf"
     admission: str = "adaptive"
     refused: str = ""
@@ -108,6 +113,11 @@ class PicServerSettings:
         if not isinstance(self.auto_chunk, str):
             raise ValueError(f"auto_chunk must be a comma list of roles, got {self.auto_chunk!r}")
         parse_roles(self.auto_chunk)  # ValueError naming the unknown role
+        if not isinstance(self.public_namespaces, str):
+            raise ValueError(
+                f"public_namespaces must be a comma list of names, got {self.public_namespaces!r}"
+            )
+        TenantPolicy.from_names(parse_names(self.public_namespaces))  # ValueError: blank name
         if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):
             raise ValueError("calibration picks r per host/disk tier: enable one of them")
 
