@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         from sgl_pic.integration import http_ext
 
         tokenizer = _flag_value(sglang_argv, "--tokenizer-path") or model_path
-        http_ext.install(settings, tokenizer)
+        http_ext.install(settings, tokenizer, _flag_value(sglang_argv, "--chat-template"))
     run_server(server_args)
 
 

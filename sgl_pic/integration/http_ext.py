@@ -101,7 +101,11 @@ class RequestTranslator:
     vocab_size: the model's vocabulary; token ids outside it are refused (None: unchecked
                 here, the scheduler still checks).
     auto_chunk: roles whose chat messages are marked as chunks without a client mark
-                (``chat_chunks``; empty: only on a request's ``pic.auto_chunk``)."""
+                (``chat_chunks``; empty: only on a request's ``pic.auto_chunk``).
+    chat_refusal() is '' when SGLang's chat path renders with the tokenizer's Jinja
+                template, else why chat requests are not chunked here
+                (``chat_source.ChatSource.refusal``): marks get a 400, auto-chunking steps
+                aside."""
 
     def __init__(
         self,
@@ -110,8 +114,10 @@ class RequestTranslator:
         signer: MarkSigner | None = None,
         vocab_size: int | None = None,
         auto_chunk: frozenset[str] = frozenset(),
+        chat_refusal: Callable[[], str] = lambda: "",
     ) -> None:
         self.config = config
+        self.chat_refusal = chat_refusal
         self.signer = signer
         self.vocab_size = vocab_size
         self.auto_chunk = auto_chunk
@@ -203,6 +209,14 @@ class RequestTranslator:
         overrides = check_overrides(options.config, self.config)
         roles = options.roles
         messages = obj.get("messages")
+        refusal = self.chat_refusal()
+        if refusal:
+            if isinstance(messages, list) and has_chat_marks(messages):
+                raise LayoutError(
+                    f"chunk marks in chat requests are off on this server: {refusal}, which "
+                    "the chunked prompt could not reproduce; send the request without marks"
+                )
+            roles = frozenset()  # auto-chunking steps aside: SGLang renders it
         if obj.get("input_ids") is not None:
             if isinstance(messages, list) and has_chat_marks(messages):
                 raise LayoutError(
@@ -649,19 +663,25 @@ def model_vocab_size(model_path: str) -> int | None:
     return None
 
 
-def install(settings: Any, tokenizer_path: str) -> None:
+def install(settings: Any, tokenizer_path: str, chat_template: str | None = None) -> None:
     """Puts the middleware in front of SGLang's HTTP app (call before the server starts).
-    ``settings`` is the launch's PicServerSettings (config, secret, body limits)."""
+    ``settings`` is the launch's PicServerSettings (config, secret, body limits);
+    ``chat_template`` is SGLang's ``--chat-template`` (None: not given)."""
     from sglang.srt.entrypoints.http_server import app
+
+    from sgl_pic.integration.chat_source import ChatSource
+
+    source = ChatSource(chat_template, settings.model_path, lambda: hf_tokenizer(tokenizer_path))
 
     app.add_middleware(
         PicHTTPMiddleware,
         translator=RequestTranslator(
             settings.config,
-            lambda: hf_tokenizer(tokenizer_path),
+            source.tokenizer,
             signer=MarkSigner(settings.secret),
             vocab_size=model_vocab_size(settings.model_path),
             auto_chunk=settings.auto_chunk_roles,
+            chat_refusal=source.refusal,
         ),
         max_body_bytes=settings.max_body_mb << 20,
         max_json_depth=settings.max_json_depth,
