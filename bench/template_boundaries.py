@@ -21,6 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _server import git_state  # noqa: E402
 
 from tests.integration.chat_templates import EMBEDDED, FAMILIES, boundary_counts  # noqa: E402
 
@@ -31,7 +34,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "template_boundaries.json"))
     args = ap.parse_args()
+    commit, dirty = git_state()
     report = {
+        "git_commit": commit,
+        "dirty": dirty,
         "requests_per_template": args.requests,
         "seed": args.seed,
         "templates": {
