@@ -275,8 +275,7 @@ def resolve_server_args(argv: list[str], reuse: bool = True) -> tuple[Any, list[
 
     from sgl_pic.integration.self_check import SUPPORTED_BACKENDS, attention_backends, resolved
 
-    args = prepare_server_args(argv)
-    args.resolve_once()
+    args = _resolved(prepare_server_args(argv))
     if not reuse or any(_flag_value(argv, flag) is not None for flag in BACKEND_FLAGS):
         return args, argv
     prefill, decode = attention_backends(resolved(args))
@@ -294,9 +293,16 @@ def resolve_server_args(argv: list[str], reuse: bool = True) -> tuple[Any, list[
         backend,
     )
     argv = [*argv, "--attention-backend", backend]
-    args = prepare_server_args(argv)
+    return _resolved(prepare_server_args(argv)), argv
+
+
+def _resolved(args: Any) -> Any:
+    """``args`` resolved as SGLang's own ``run_server`` resolves them: its gRPC servers
+    read the raw ``tokenizer_path``, which it seeds before resolution seals the record."""
+    if (args.smg_grpc_mode or args.grpc_mode) and args.tokenizer_path is None:
+        args.tokenizer_path = args.model_path
     args.resolve_once()
-    return args, argv
+    return args
 
 
 def launch_check(server_args: Any, config: PicConfig) -> PicConfig:
@@ -307,7 +313,15 @@ def launch_check(server_args: Any, config: PicConfig) -> PicConfig:
     from sgl_pic.integration.self_check import attention_backends, check_launch, resolved
 
     view = resolved(server_args)
-    config = dataclasses.replace(config, page_size=int(getattr(view, "page_size", None) or 1))
+    page = int(getattr(view, "page_size", None) or 1)
+    if page != config.page_size:
+        logger.info(
+            "sgl_pic: SGLang resolved --page-size %d (asked: %d); chunk starts are padded to %d",
+            page,
+            config.page_size,
+            page,
+        )
+    config = dataclasses.replace(config, page_size=page)
     support = check_launch(server_args, config.page_size)
     graphs = getattr(view, "cuda_graph_config", None)
     prefill_graph = getattr(getattr(graphs, "prefill", None), "backend", None)

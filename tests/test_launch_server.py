@@ -110,11 +110,26 @@ def test_chunk_starts_are_padded_to_the_page_size_sglang_resolved(
     with caplog.at_level("INFO"):
         assert launch_check(args, config).page_size == 64
     assert "chunk reuse on" in caplog.text and "page size 64" in caplog.text
+    assert "resolved --page-size 64 (asked: 16)" in caplog.text
     args._resolved_overrides.append(("user", {"attention_backend": "trtllm_mha"}))
     with caplog.at_level("INFO"):
         launch_check(args, config)
     assert "chunk reuse will be off (backend)" in caplog.text
     assert "lifted by --attention-backend" in caplog.text
+
+
+@pytest.mark.sglang
+def test_grpc_launches_resolve_as_sglangs_launcher_resolves_them() -> None:
+    # SGLang's run_server seeds tokenizer_path for its gRPC servers before resolution seals
+    # the record; resolving earlier without it would leave them no tokenizer path.
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+    from sgl_pic.launch_server import resolve_server_args
+    from sgl_pic.model.embedded import ensure_embedded_model
+
+    activate_cpu_stubs()  # as the launcher does on the CPU
+    model = str(ensure_embedded_model().path)
+    argv = ["--model-path", model, "--device", "cpu", "--grpc-mode"]
+    assert resolve_server_args(argv, reuse=False)[0].tokenizer_path == model
 
 
 def cuda_launch(gpu: str, mode: str, *argv: str) -> dict[str, Any]:

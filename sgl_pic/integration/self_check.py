@@ -21,7 +21,8 @@ SUPPORTED_BACKENDS = frozenset({"torch_native", "flashinfer", "fa3", "triton"})
 # Prefill CUDA graph backends the chunk path runs beside: batches with chunked requests
 # are kept off the graph (``plugin._prefill_graph_hook``) and run eagerly.
 PREFILL_GRAPH_BACKENDS = frozenset({"disabled", "breakable", "full"})
-KV_CACHE_DTYPES = frozenset({"auto", "float32", "float16", "bfloat16"})
+# --kv-cache-dtype values SGLang maps to an unquantized pool (srt/mem_cache/kv_cache_dtype.py).
+KV_CACHE_DTYPES = frozenset({"auto", "float32", "float16", "bfloat16", "bf16"})
 NO_FLAG = "a property of the model: no server flag lifts it (--pic-disable serves it plainly)"
 
 
@@ -89,6 +90,10 @@ def check_args(args: Any) -> Support:
         )
     if int(getattr(v, "attn_cp_size", 1) or 1) > 1:
         return Support("parallelism", "context parallelism; lifted by --attn-cp-size 1")
+    if getattr(v, "enable_pdmux", False):
+        # PD-multiplexing prefills layer by layer (``forward_split_prefill``) and never
+        # calls the decoder stack the chunk path wraps.
+        return Support("parallelism", "PD-multiplexing; lifted by dropping --enable-pdmux")
     tiers = sglang_kv_tiers(v)
     if tiers:
         return Support(

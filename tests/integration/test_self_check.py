@@ -39,6 +39,18 @@ def test_checks_read_the_resolved_arguments_not_the_raw_record() -> None:
     assert support.reason == "kv_dtype" and "--kv-cache-dtype auto" in support.detail
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16", "float16", "float32"])
+def test_every_unquantized_kv_cache_dtype_of_sglang_is_served(dtype: str) -> None:
+    # SGLang maps "bf16" and "bfloat16" alike to a bfloat16 pool (kv_cache_dtype.py).
+    assert check_args(resolved_args(attention_backend="fa3", kv_cache_dtype=dtype)).ok
+
+
+def test_pd_multiplexing_is_refused_naming_its_flag() -> None:
+    # Its split prefill walks the layers itself and never calls the wrapped stack.
+    support = check_args(resolved_args(attention_backend="fa3", enable_pdmux=True))
+    assert support.reason == "parallelism" and "--enable-pdmux" in support.detail
+
+
 @pytest.mark.parametrize("backend", ["disabled", "breakable", "full"])
 def test_every_prefill_graph_backend_of_sglang_is_served(backend: str) -> None:
     graphs = SimpleNamespace(prefill=SimpleNamespace(backend=backend))
