@@ -262,7 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         from sgl_pic.integration import http_ext
 
         tokenizer = _flag_value(sglang_argv, "--tokenizer-path") or model_path
-        http_ext.install(settings, tokenizer, _flag_value(sglang_argv, "--chat-template"))
+        from sgl_pic.integration.chat_source import ServingFlags
+
+        serving = ServingFlags(
+            *(_flag_value(sglang_argv, "--" + f.replace("_", "-")) for f in ServingFlags._fields)
+        )
+        http_ext.install(settings, tokenizer, serving)
     run_server(server_args)
 
 

@@ -18,17 +18,33 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class ServingFlags(NamedTuple):
+    """The SGLang flags that decide how its chat path renders (None: not given)."""
+
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    hf_chat_template_name: str | None = None
 
 
 class ChatSource:
-    """chat_template_arg: SGLang's ``--chat-template`` (None: not given). model_path: the
-    served model's directory or name. load_tokenizer() returns its HF tokenizer."""
+    """flags: the launch's ``ServingFlags`` (or a ``--chat-template`` value alone, None: not
+    given). model_path: the served model's directory or name. load_tokenizer() returns its
+    HF tokenizer."""
 
     def __init__(
-        self, chat_template_arg: str | None, model_path: str, load_tokenizer: Callable[[], Any]
+        self,
+        flags: ServingFlags | str | None,
+        model_path: str,
+        load_tokenizer: Callable[[], Any],
     ) -> None:
-        self.chat_template_arg = chat_template_arg or None
+        if not isinstance(flags, ServingFlags):
+            flags = ServingFlags(chat_template=flags)
+        self.flags = flags
+        self.chat_template_arg = flags.chat_template or None
         self.model_path = model_path
         self._load_tokenizer = load_tokenizer
         self._tokenizer: Any = None
@@ -50,7 +66,9 @@ class ChatSource:
         ``tokenizer()`` holds it); else why chunked chat requests cannot be rendered as it
         renders them here."""
         if self._refusal is None:
-            self._refusal = self._launch_refusal() or self._python_template_refusal()
+            self._refusal = (
+                self._launch_refusal() or self._model_refusal() or self._tokenizer_refusal()
+            )
         return self._refusal
 
     def _jinja_text(self) -> str | None:
@@ -81,16 +99,50 @@ class ChatSource:
             return f"--chat-template {arg!r} is not a Jinja template file"
         return ""
 
-    def _python_template_refusal(self) -> str:
+    def _model_refusal(self) -> str:
+        """SGLang's chat path renders some models with code of its own rather than the
+        Jinja template (srt/entrypoints/openai/chat_encoding.py, python_chat_template.py,
+        serving_chat.py's effort settings)."""
+        from sglang.srt.entrypoints.openai.chat_encoding import resolve_chat_encoding_spec
+        from sglang.srt.parser.hunyuan_reasoning import uses_hunyuan_reasoning_effort
         from sglang.srt.parser.python_chat_template import resolve_python_chat_template
-
-        template = getattr(self.tokenizer(), "chat_template", None)
-        if not isinstance(template, str) or self.chat_template_arg is not None:
-            return ""
+        from sglang.srt.parser.template_detection import detect_reasoning_pattern
         from transformers import PretrainedConfig
 
-        config, _ = PretrainedConfig.get_config_dict(self.model_path)
-        hf = SimpleNamespace(architectures=config.get("architectures") or [])
-        if resolve_python_chat_template(hf, template) is not None:
+        if self.flags.hf_chat_template_name:
+            return "--hf-chat-template-name picks the template among the processor's"
+        tokenizer = self.tokenizer()
+        template = getattr(tokenizer, "chat_template", None)
+        try:
+            config, _ = PretrainedConfig.get_config_dict(self.model_path)
+        except (OSError, ValueError):
+            config = {}  # SGLang cannot load such a model either; the flags still count
+        hf = SimpleNamespace(
+            architectures=config.get("architectures") or [], model_type=config.get("model_type")
+        )
+        spec = resolve_chat_encoding_spec(
+            hf_config=hf, tokenizer=tokenizer, tool_call_parser=self.flags.tool_call_parser
+        )
+        if spec is not None:
+            return f"SGLang renders this model with its own chat encoder ({spec})"
+        if not isinstance(template, str):
+            return ""
+        if self.chat_template_arg is None and resolve_python_chat_template(hf, template):
             return "SGLang renders this model with a Python chat encoder"
+        _, reasoning = detect_reasoning_pattern(template)
+        if reasoning is not None and reasoning.effort_kwarg is not None:
+            return f"SGLang sets the template's {reasoning.effort_kwarg!r} from reasoning_effort"
+        if uses_hunyuan_reasoning_effort(self.flags.reasoning_parser, reasoning):
+            return "SGLang rewrites reasoning_effort for this model's template"
+        return ""
+
+    def _tokenizer_refusal(self) -> str:
+        """Chunks are tokenized on their own: a tokenizer that adds text to a piece alone
+        (a SentencePiece dummy prefix, "▁") would change the prompt's text."""
+        tokenizer = self.tokenizer()
+        pieces = ("The passage reads", " as follows.\n", "end of it", "\n\nQuestion:")
+        ids = [t for p in pieces for t in tokenizer(p, add_special_tokens=False)["input_ids"]]
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if text != "".join(pieces):
+            return "this tokenizer changes the text of a piece tokenized on its own"
         return ""

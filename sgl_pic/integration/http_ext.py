@@ -663,15 +663,16 @@ def model_vocab_size(model_path: str) -> int | None:
     return None
 
 
-def install(settings: Any, tokenizer_path: str, chat_template: str | None = None) -> None:
+def install(settings: Any, tokenizer_path: str, serving: Any = None) -> None:
     """Puts the middleware in front of SGLang's HTTP app (call before the server starts).
     ``settings`` is the launch's PicServerSettings (config, secret, body limits);
-    ``chat_template`` is SGLang's ``--chat-template`` (None: not given)."""
+    ``serving``: the SGLang flags that decide how its chat path renders
+    (``chat_source.ServingFlags``; None: none given)."""
     from sglang.srt.entrypoints.http_server import app
 
     from sgl_pic.integration.chat_source import ChatSource
 
-    source = ChatSource(chat_template, settings.model_path, lambda: hf_tokenizer(tokenizer_path))
+    source = ChatSource(serving, settings.model_path, lambda: hf_tokenizer(tokenizer_path))
 
     app.add_middleware(
         PicHTTPMiddleware,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration.chat_source import ChatSource
+from sgl_pic.integration.chat_source import ChatSource, ServingFlags
 from sgl_pic.integration.cpu_env import activate_cpu_stubs
 from sgl_pic.integration.http_ext import RequestTranslator
 from sgl_pic.integration.spans import MarkSigner
@@ -26,6 +26,9 @@ class FakeTokenizer:
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids: list[int], **_kw: object) -> str:
+        return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages: list[dict], **_kw: object) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages)
@@ -59,6 +62,32 @@ def test_templates_sglang_renders_otherwise_refuse_chat_chunking(
     arg: str | None, model: str, why: str
 ) -> None:
     assert why in ChatSource(arg, model, FakeTokenizer).refusal()
+
+
+class DummyPrefixTokenizer(FakeTokenizer):
+    """A SentencePiece-style tokenizer: a piece alone gains a leading space."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in " " + text.lstrip(" ")]}
+
+
+def test_a_tokenizer_that_changes_a_piece_alone_refuses_chat_chunking() -> None:
+    why = ChatSource(None, "/models/llama-like", DummyPrefixTokenizer).refusal()
+    assert "changes the text of a piece" in why
+    assert ChatSource(None, "/models/llama-like", FakeTokenizer).refusal() == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (ServingFlags(tool_call_parser="deepseekv32"), "its own chat encoder (dsv32)"),
+        (ServingFlags(hf_chat_template_name="tool_use"), "--hf-chat-template-name"),
+    ],
+)
+def test_flags_that_make_sglang_render_otherwise_refuse_chat_chunking(
+    flags: ServingFlags, why: str
+) -> None:
+    assert why in ChatSource(flags, "/models/llama-like", FakeTokenizer).refusal()
 
 
 def test_the_models_own_template_is_served(embedded_path: str) -> None:
