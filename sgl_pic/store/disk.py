@@ -206,12 +206,14 @@ class DiskStore(BoundedStore):
                 if not path.name.endswith(SUFFIX):
                     continue
                 try:
+                    # Every record file's mode counts, this server's or not (an older
+                    # version's, another model's): each holds prompt tokens. lstat: never
+                    # a link's target.
+                    st = os.lstat(path)
+                    self._loose_records += stat.S_ISREG(st.st_mode) and is_loose(st.st_mode)
                     header = self._checked(read_header(path, self.model_digest))
                     if path.name != file_name(header.key) or sub.name != path.name[:2]:
                         raise CorruptRecordError(f"{path.name} holds key {header.key[:12]}")
-                    # lstat: read_header accepted a regular file, never a link's target.
-                    st = os.lstat(path)
-                    self._loose_records += is_loose(st.st_mode)
                 except StoreError as exc:
                     self._count_bad(exc, path)
                     continue

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
-from tests.store.helpers import MODEL, make_record
+from tests.store.helpers import MODEL, OTHER_MODEL, make_record
 
 
 @pytest.fixture
@@ -53,3 +53,16 @@ def test_a_looser_tier_is_reported_at_start_up(
     assert again.contains(rec.key)  # still served: the operator decides
     text = caplog.text
     assert "0755" in text and "1 record(s)" in text and f"chmod -R go-rwx {root}" in text
+
+
+def test_loose_records_of_another_model_or_version_are_reported_too(tmp_path: Path) -> None:
+    # Records this server skips (an older key version, another model) hold prompt tokens
+    # all the same: their modes count.
+    root = tmp_path / "chunks"
+    other = DiskStore(DiskStoreConfig(str(root), 1 << 22), OTHER_MODEL)
+    rec = make_record(model=OTHER_MODEL)
+    assert other.put(rec)
+    os.chmod(other.path_of(rec.key), 0o644)
+    mine = DiskStore(DiskStoreConfig(str(root), 1 << 22), MODEL)
+    assert not mine.contains(rec.key)
+    assert mine.at_rest.loose_records == 1
