@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 import torch
@@ -57,6 +58,24 @@ def attended_keys(subs: Sequence[SubRequest]) -> int:
     first p + 1 keys. Over the number of queries it is the attention work per computed
     token, which for a prompt prefilled whole is (len + 1) / 2."""
     return sum(s.extend * s.prefix + s.extend * (s.extend + 1) // 2 for s in subs)
+
+
+def pinnable(device: torch.device) -> bool:
+    """Whether copies to ``device`` go through pinned host memory: CUDA's only (on a CPU
+    "device" there is nothing to copy)."""
+    return device.type == "cuda"
+
+
+def to_device(
+    host: torch.Tensor,  # [...] host tensor
+    device: torch.device,
+) -> torch.Tensor:
+    """# [...] ``host`` on ``device``, without the host waiting: a copy from pageable
+    memory blocks until the stream reaches it, one from pinned memory with ``non_blocking``
+    does not (the caching host allocator keeps the pinned block until the copy has run)."""
+    if not pinnable(device):
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class PhaseBatch(NamedTuple):
@@ -99,38 +118,43 @@ def build_phase_batch(
     seq = [p + e for p, e in zip(prefix, ext, strict=True)]
     if input_ids.numel() != sum(ext):
         raise ValueError(f"{input_ids.numel()} input ids for {sum(ext)} extend tokens")
-    pos = torch.cat(
-        [
-            torch.arange(p, p + e, device=device, dtype=torch.int64)
-            for p, e in zip(prefix, ext, strict=True)
-        ]
-    )
     out_loc = torch.cat([req_to_token[s.pool_idx, s.prefix : s.prefix + s.extend] for s in subs])
     pool_idx = [s.pool_idx for s in subs]
-    ext_t = torch.tensor(ext, dtype=torch.int32, device=device)
-    start_loc = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
+    # Every per-batch tensor the host knows, made on the host and sent in one copy (each
+    # ``torch.tensor(..., device=)`` would be a blocking copy from pageable memory).
+    # Positions first: the one long field starts the buffer, aligned.
+    starts = [0, *accumulate(ext)][: len(subs)]
+    meta = torch.tensor(pool_idx + seq + prefix + ext + starts, dtype=torch.int64)
+    n = len(subs)
+    ext_h, starts_h = meta[3 * n : 4 * n], meta[4 * n :]
+    # Batch row t of sub-request j is its token t - start_j: position prefix_j + t - start_j.
+    shift = torch.repeat_interleave(meta[2 * n : 3 * n] - starts_h, ext_h)
+    pos = torch.arange(sum(ext), dtype=torch.int64) + shift
+    on_dev = to_device(torch.cat([pos, meta]), device).split([pos.numel(), n, n, n, n, n])
+    pos_d, rows_d, seq_d, prefix_d, ext_d, start_d = on_dev
     seq_dtype = live.seq_lens.dtype
+    ext_t = ext_d.to(torch.int32)
     fb = dataclasses.replace(
         live,
         forward_mode=ForwardMode.EXTEND,
         batch_size=len(subs),
         input_ids=input_ids.to(device=device, dtype=live.input_ids.dtype),
-        req_pool_indices=torch.tensor(pool_idx, dtype=live.req_pool_indices.dtype, device=device),
+        req_pool_indices=rows_d.to(live.req_pool_indices.dtype),
         req_pool_indices_cpu=torch.tensor(pool_idx, dtype=torch.int64),  # host: SGLang's own
-        seq_lens=torch.tensor(seq, dtype=seq_dtype, device=device),
+        seq_lens=seq_d.to(seq_dtype),
         seq_lens_cpu=torch.tensor(seq, dtype=seq_dtype),  # host: SGLang keeps it on the host
-        orig_seq_lens=torch.tensor(seq, dtype=seq_dtype, device=device),
+        orig_seq_lens=seq_d.to(seq_dtype, copy=True),
         seq_lens_sum=sum(seq),
         out_cache_loc=out_loc.to(device=device, dtype=live.out_cache_loc.dtype),
         origin_out_cache_loc=None,
         out_cache_loc_virtual=None,
         kv_loc_plan=None,
         kv_loc_cols=None,
-        positions=pos,
+        positions=pos_d,
         extend_num_tokens=sum(ext),
         extend_seq_lens=ext_t,
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=device),
-        extend_start_loc=start_loc,
+        extend_prefix_lens=prefix_d.to(torch.int32),
+        extend_start_loc=start_d.to(torch.int32),
         extend_prefix_lens_cpu=prefix,
         extend_seq_lens_cpu=ext,
         extend_logprob_start_lens_cpu=ext,
@@ -292,7 +316,7 @@ class PhaseRunner:
         if self._groups is None:
             fb = self.batch
             self._groups = row_groups(
-                fb.req_pool_indices.tolist(),
+                fb.req_pool_indices_cpu.tolist(),  # host copy: no device read
                 list(fb.extend_prefix_lens_cpu),
                 list(fb.extend_seq_lens_cpu),
                 self.req_to_token,

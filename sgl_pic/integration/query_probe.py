@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from sgl_pic.integration.attention import ProbeDone
+from sgl_pic.integration.phases import to_device
 from sgl_pic.selection.query_aware import question_attention
 
 
@@ -30,8 +31,10 @@ class QueryProbe:
     """pool:      SGLang's KV pool (MHATokenToKVPool).
     key_slots:    # [num_tokens] pool slots of the request's positions 0..num_tokens-1.
     query_rows:   # [q] rows of the question's tokens in the probe batch.
-    query_pos:    # [q] their positions, kept on the host: the mask of each layer's
-                  scores reads their least one (a device copy would make that a sync).
+    query_pos:    # [q] their positions. Rows and positions (host tensors, planning)
+                  reach the device once, in one copy that does not block, and the least
+                  position, which each layer's mask starts from, is read here on the host:
+                  per layer, a host copy would block and a device read would sync.
     layers:       decoder layers scored (0..layers-1).
     reduce:       sums a tensor over tensor-parallel ranks (each rank holds its own heads);
                   identity on one rank."""
@@ -48,8 +51,10 @@ class QueryProbe:
         device = pool.get_key_buffer(0).device
         self.pool = pool
         self.key_slots = key_slots.to(device)
-        self.query_rows = query_rows.to(device)
-        self.query_pos = query_pos.cpu()  # host: planning
+        nq = query_pos.numel()
+        host = torch.cat([query_rows.cpu(), query_pos.cpu()]).to(torch.int64)  # host: planning
+        self.first_pos = int(query_pos.min()) if nq else None
+        self.query_rows, self.query_pos = to_device(host, device).split([nq, nq])
         self.layers = layers
         self.reduce = reduce
         self._total = torch.zeros(key_slots.numel(), device=device)
@@ -69,7 +74,9 @@ class QueryProbe:
         qs = q.reshape(q.shape[0], heads, dim)[self.query_rows]
         # index_select: whole rows, faster than the generic gather (``attention``).
         keys = self.pool.get_key_buffer(module.layer_id).index_select(0, self.key_slots)
-        self._total += question_attention(qs, keys, self.query_pos, module.scaling)
+        self._total += question_attention(
+            qs, keys, self.query_pos, module.scaling, first_pos=self.first_pos
+        )
         self._seen.add(layer)
 
     @property

@@ -3,8 +3,12 @@
 The file name carries a hash of the sources, flags, archs and nvcc version, so a stale
 library is never loaded. Ranks of one machine share the directory: a file lock lets one
 of them build while the others wait and then load its file, and the build goes to a
-temporary file renamed into place, so no process ever loads half a library. Called by
-``sgl_pic.ops.cuda.prepare`` at start-up, never inside a forward.
+temporary file renamed into place, so no process ever loads half a library. A failed
+build leaves ``<library>.failed`` with its reason: the ranks that waited for it fail at
+once with that reason instead of each running nvcc again (up to ``BUILD_TIMEOUT_S`` each).
+A later start-up, which did not wait for that build, tries again (a timeout may not
+recur), and changed sources or flags give a new file name, so they always build. Called
+by ``sgl_pic.ops.cuda.prepare`` at start-up, never inside a forward.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -58,7 +63,8 @@ def build_library(
     """Builds (or finds already built) the kernel library for ``archs`` ("80", "90").
 
     The file name carries a hash of the sources, flags, archs and nvcc version, so a
-    stale library is never loaded. Raises RuntimeError when nvcc fails.
+    stale library is never loaded. Raises RuntimeError when nvcc fails, or when the build
+    of the same inputs this process waited for failed (the module doc).
     """
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
@@ -80,10 +86,19 @@ def build_library(
         return lib
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    failed = out_dir / f"{lib.name}.failed"
+    # A failure recorded before this process waits is an earlier start-up's: retried.
+    seen = _read_failure(failed)
     # Ranks of one machine share the directory: one builds, the others wait and load it.
     with _file_lock(out_dir / f"{lib.name}.lock"):
         if lib.is_file():
             return lib
+        failure = _read_failure(failed)
+        if failure is not None and failure != seen:
+            # The build this process waited for failed: the same inputs would fail again.
+            raise RuntimeError(
+                f"the kernel build failed in another process ({failed}):\n{failure[1]}"
+            )
         # Build beside the target and rename, so no process ever loads half a file.
         fd, tmp_name = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
         os.close(fd)
@@ -96,10 +111,33 @@ def build_library(
                     f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
                 )
             os.replace(tmp_name, lib)
+        except Exception as exc:
+            with contextlib.suppress(OSError):  # the record only saves waiters time
+                _write_failure(failed, str(exc))
+            raise
         finally:
             if os.path.exists(tmp_name):
                 os.unlink(tmp_name)
+        failed.unlink(missing_ok=True)
     return lib
+
+
+def _read_failure(path: Path) -> tuple[str, str] | None:
+    """(the failed build's id, its reason) from ``path``, or None when there is none."""
+    try:
+        token, _, reason = path.read_text().partition("\n")
+    except FileNotFoundError:
+        return None
+    return token, reason
+
+
+def _write_failure(path: Path, reason: str) -> None:
+    """Records a failed build: a fresh id (so that a waiter tells it from a failure it saw
+    before waiting) and the reason, renamed into place so no reader sees half of it."""
+    fd, tmp_name = tempfile.mkstemp(suffix=".failed.tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{uuid.uuid4().hex}\n{reason}")
+    os.replace(tmp_name, path)
 
 
 @contextlib.contextmanager

@@ -105,10 +105,15 @@ def question_attention(
     k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim] post-RoPE keys, key j at position j
     q_pos: torch.Tensor,  # [num_queries] int64 positions of the queries
     scale: float | None = None,
+    first_pos: int | None = None,
 ) -> torch.Tensor:
     """# [num_keys] float32: softmax attention of each query head to each key (a query sees
     positions <= its own), summed over heads and queries. Sums, not means, so a tensor-
-    parallel rank's partial over its own heads adds up to the whole."""
+    parallel rank's partial over its own heads adds up to the whole.
+
+    ``first_pos`` is ``q_pos``'s least value, known on the host: a caller that keeps
+    ``q_pos`` on ``k``'s device passes it, so that neither that read nor a copy of
+    ``q_pos`` waits for the device (a host ``q_pos`` is copied, blocking)."""
     nq, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -118,8 +123,10 @@ def question_attention(
     qq = (q.to(torch.float32) * scale).reshape(nq, kv_heads, group, dim)
     qq = qq.permute(1, 2, 0, 3).reshape(kv_heads, group * nq, dim)
     logits = torch.bmm(qq, k.to(torch.float32).permute(1, 2, 0))  # [Hkv, g * nq, N]
+    if first_pos is None and nq:
+        first_pos = int(q_pos.min())
     # Only keys after the earliest query can be hidden from some query: mask that tail.
-    first = int(q_pos.min()) + 1 if nq else k.shape[0]
+    first = first_pos + 1 if nq and first_pos is not None else k.shape[0]
     if first < k.shape[0]:
         tail = torch.arange(first, k.shape[0], device=k.device)
         hidden = tail[None, :] > q_pos.to(k.device).repeat(group)[:, None]

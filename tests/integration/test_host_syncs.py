@@ -10,6 +10,12 @@ GPU: ``tolist``, ``item``, ``cpu``, ``numpy``, ``bool``/``int``/``float``, and o
 output size depends on the data (``nonzero``, ``unique``, ``masked_select``, boolean
 indexing), as ``torch.cuda.set_sync_debug_mode`` reports on a GPU. Host-side planning
 tensors (made from Python lists, as SGLang's own ``*_cpu`` fields) are not counted.
+
+The other way waits too: a copy of host data to the device from pageable memory
+(``torch.tensor(..., device=)``, ``to``/``copy_`` onto the device) blocks the host until the
+stream has run up to it. Such copies by the device-side code are counted as ``h2d``, except
+``non_blocking`` ones from pinned memory. The device is mocked as a CUDA one
+(``phases.pinnable``), and ``pin_memory`` marks its result pinned instead of pinning.
 """
 
 # ruff: noqa: E402 - sglang imports need the CPU stubs active first
@@ -38,7 +44,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from torch.overrides import TorchFunctionMode
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration import planner, query_probe
+from sgl_pic.integration import phases, planner, query_probe
 from sgl_pic.integration.chunk_nodes import ChunkNodeTable
 from sgl_pic.integration.executor import ChunkExecutor
 from sgl_pic.integration.gate import Pending
@@ -124,19 +130,74 @@ DEVICE_MODULES = (
 )
 
 
-def _caller_is_device_code() -> bool:
+# Functions outside those modules that the server runs on device data.
+DEVICE_FUNCTIONS = (("sgl_pic/selection/query_aware.py", "question_attention"),)
+
+
+def _sgl_pic_caller() -> Any:
+    """The innermost sgl_pic frame calling into torch (None: none)."""
     frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if "sgl_pic/" in name:
-            return any(m in name for m in DEVICE_MODULES)
+    while frame is not None and "sgl_pic/" not in frame.f_code.co_filename:
         frame = frame.f_back
+    return frame
+
+
+def _is_device_code(frame: Any) -> bool:
+    if frame is None:
+        return False
+    name = frame.f_code.co_filename
+    return any(m in name for m in DEVICE_MODULES) or any(
+        m in name and frame.f_code.co_name == f for m, f in DEVICE_FUNCTIONS
+    )
+
+
+_COPY_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
+def _names_device(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` puts its result on a named device (a device, or ``to(other)``). A
+    literal ``"cpu"`` is the host, whatever the mocked device is."""
+    named = [kwargs.get("device")]
+    if func is torch.Tensor.to:
+        named += [a for a in args[1:] if isinstance(a, torch.device | str)]
+        named += [a.device for a in args[1:] if isinstance(a, torch.Tensor)]
+    named = [d for d in named if d is not None]
+    return bool(named) and not any(d == "cpu" for d in named)
+
+
+def _pinned_async(src: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A ``non_blocking`` copy from pinned memory: the host goes on at once."""
+    non_blocking = kwargs.get("non_blocking", False) or any(a is True for a in args[1:])
+    return bool(non_blocking) and getattr(src, "_pinned", False)
+
+
+def _blocking_h2d(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``func`` copies host data onto the device and waits for it (module doc)."""
+    if func in _COPY_FACTORIES:
+        src = args[0] if args else kwargs.get("data")
+        return _names_device(func, args, kwargs) and not isinstance(src, Dev)
+    if func is torch.Tensor.to:
+        src = args[0]
+        return (
+            not isinstance(src, Dev)
+            and _names_device(func, args, kwargs)
+            and not _pinned_async(src, args, kwargs)
+        )
+    if func is torch.Tensor.copy_:
+        dst, src = args[0], args[1]
+        return (
+            isinstance(dst, Dev)
+            and isinstance(src, torch.Tensor)
+            and not isinstance(src, Dev)
+            and not _pinned_async(src, args, kwargs)
+        )
     return False
 
 
 class DeviceFactories(TorchFunctionMode):
     """Tensors the device-side modules make on a named device (a factory or ``to``
-    naming one) are device data too; host planning tensors name none."""
+    naming one) are device data too; host planning tensors name none. Their blocking
+    host-to-device copies are counted (``h2d``); ``pin_memory`` marks its copy pinned."""
 
     def __torch_function__(
         self,
@@ -146,11 +207,20 @@ class DeviceFactories(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:
+            pinned = args[0].clone()  # no pinned memory without CUDA: a marked copy
+            pinned._pinned = True
+            return pinned
+        caller = _sgl_pic_caller()
+        device_code = _is_device_code(caller)
+        if Dev.counting and device_code and _blocking_h2d(func, args, kwargs):
+            where = f"{caller.f_code.co_filename.rsplit('sgl_pic/', 1)[-1]}:{caller.f_lineno}"
+            Dev.syncs[f"h2d {getattr(func, '__name__', func)} {where}"] += 1
         out = func(*args, **kwargs)
         names_device = kwargs.get("device") is not None or (
             func is torch.Tensor.to and any(isinstance(a, torch.device | str) for a in args)
         )
-        if names_device and type(out) is torch.Tensor and _caller_is_device_code():
+        if names_device and type(out) is torch.Tensor and device_code:
             return out.as_subclass(Dev)
         return out
 
@@ -159,11 +229,17 @@ class DeviceFactories(TorchFunctionMode):
 def counting() -> Iterator[Counter[str]]:
     Dev.syncs = Counter()
     Dev.counting = True
+    saved = getattr(phases, "pinnable", None)
+    phases.pinnable = lambda device: True  # the mocked device is a CUDA one: pin for it
     try:
         with DeviceFactories():
             yield Dev.syncs
     finally:
         Dev.counting = False
+        if saved is None:
+            del phases.pinnable
+        else:
+            phases.pinnable = saved
 
 
 class DevAllocator(FakeAllocator):
@@ -290,11 +366,19 @@ def prompts(chunk_orders: list[list[int]]) -> list[tuple[list[list[int]], list[i
     return [([chunk(c) for c in order], question(i)) for i, order in enumerate(chunk_orders)]
 
 
-def syncs_of(server: Server, batch: list[tuple[list[list[int]], list[int]]]) -> int:
+def syncs_of(server: Server, batch: list[tuple[list[list[int]], list[int]]]) -> Counter[str]:
     with counting() as syncs:
         server.run(batch)
     print(len(batch), "request(s):", dict(syncs))
-    return sum(syncs.values())
+    return Counter(syncs)
+
+
+def reads(syncs: Counter[str]) -> int:
+    return sum(n for name, n in syncs.items() if not name.startswith("h2d"))
+
+
+def copies(syncs: Counter[str]) -> int:
+    return sum(n for name, n in syncs.items() if name.startswith("h2d"))
 
 
 # Host reads a chunked batch makes, each named by where it is. The executor takes its rows
@@ -307,19 +391,86 @@ PER_MISS = 1 + -(-CHUNK // SEGMENT) + 1 + 1
 # cachetune reads nothing more: hit chunks' rankings are kept on the host.
 PER_BATCH = {"query_aware": 1, "cachetune": 0}
 
+# Blocking host-to-device copies. Phase batches (``build_phase_batch``) and the query
+# probe (``QueryProbe``, ``question_attention``) make none: what they send goes in one
+# non-blocking copy from pinned memory per batch or probe.
+NO_BLOCKING_COPIES = (
+    "integration/phases.py",
+    "integration/query_probe.py",
+    "selection/query_aware.py",
+)
+# Those left elsewhere, bounded so that they do not grow with the hits: the device hits'
+# RoPE frequencies and re-rotation (``kv_access``, ``ops``), the probe pass's token ids
+# (executor), and per missed chunk up to four (its RoPE frequencies and writes, phase 1's
+# token ids).
+HIT_H2D = 3
+PER_BATCH_H2D = {"query_aware": 1, "cachetune": 0}
+PER_MISS_H2D = 4
+
 
 @pytest.mark.parametrize("policy", ["query_aware", "cachetune"])
 def test_host_syncs_of_a_chunked_batch_do_not_grow_with_its_hits(policy: str) -> None:
     """Device hits cost one host read per batch, however many chunks and requests reuse
     them (``copy_rotated``), and the signals one more (``PER_BATCH``); a missed chunk's
-    storage is per chunk (``PER_MISS``)."""
+    storage is per chunk (``PER_MISS``). Blocking host-to-device copies: none from the
+    phase batches or the probe, the others bounded the same way."""
     server = Server(policy)
-    batch = PER_BATCH[policy]
-    assert syncs_of(server, prompts([[0, 1]])) <= batch + 2 * PER_MISS
-    assert syncs_of(server, prompts([[2, 3, 4]])) <= batch + 3 * PER_MISS
-    assert syncs_of(server, prompts([[1, 0]])) <= HIT_COPY + batch
-    many = [[1, 0, 2], [3, 4, 0], [2, 1, 4], [4, 3, 2]]
-    assert syncs_of(server, prompts(many)) <= HIT_COPY + batch
+    batch, batch_h2d = PER_BATCH[policy], PER_BATCH_H2D[policy]
+    runs = [
+        (prompts([[0, 1]]), batch + 2 * PER_MISS, batch_h2d + 2 * PER_MISS_H2D),
+        (prompts([[2, 3, 4]]), batch + 3 * PER_MISS, batch_h2d + 3 * PER_MISS_H2D),
+        (prompts([[1, 0]]), HIT_COPY + batch, HIT_H2D + batch_h2d),
+        (
+            prompts([[1, 0, 2], [3, 4, 0], [2, 1, 4], [4, 3, 2]]),
+            HIT_COPY + batch,
+            HIT_H2D + batch_h2d,
+        ),
+    ]
+    for prompt_batch, max_reads, max_copies in runs:
+        syncs = syncs_of(server, prompt_batch)
+        assert reads(syncs) <= max_reads
+        assert copies(syncs) <= max_copies
+        assert not [name for name in syncs if any(m in name for m in NO_BLOCKING_COPIES)]
+
+
+def test_a_phase_batch_reaches_the_device_in_one_non_blocking_copy() -> None:
+    """``build_phase_batch`` sends its positions, rows, lengths and offsets together, from
+    pinned memory; its fields are those the host lists describe."""
+    server = Server("cachetune")
+    rows = server.req_pool.alloc_rows(2)
+    assert rows is not None
+    live = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=dev(torch.zeros(4, dtype=torch.int64)),
+        req_pool_indices=dev(torch.tensor(rows[:1], dtype=torch.int64)),
+        seq_lens=dev(torch.tensor([4])),
+        out_cache_loc=dev(torch.arange(4)),
+        seq_lens_sum=4,
+    )
+    subs = [
+        phases.SubRequest(rows[0], 3, 2),
+        phases.SubRequest(rows[0], 7, 1),
+        phases.SubRequest(rows[1], 0, 4),
+    ]
+    with counting() as syncs:
+        fb = phases.build_phase_batch(
+            live, subs, dev(torch.arange(7)), server.req_pool.req_to_token, None
+        ).forward_batch
+    assert not syncs
+    assert fb.positions.tolist() == [3, 4, 7, 0, 1, 2, 3]
+    assert fb.req_pool_indices.tolist() == [rows[0], rows[0], rows[1]]
+    assert fb.seq_lens.tolist() == fb.orig_seq_lens.tolist() == [5, 8, 4]
+    assert fb.seq_lens_cpu.tolist() == [5, 8, 4]
+    assert fb.extend_prefix_lens.tolist() == [3, 7, 0]
+    assert fb.extend_seq_lens.tolist() == [2, 1, 4]
+    assert fb.extend_start_loc.tolist() == [0, 2, 3]
+    assert fb.extend_seq_lens.dtype == fb.extend_prefix_lens.dtype == torch.int32
+    assert fb.extend_start_loc.dtype == torch.int32
+    assert fb.positions.dtype == fb.req_pool_indices.dtype == torch.int64
+    assert fb.seq_lens.dtype == live.seq_lens.dtype
+    assert fb.orig_seq_lens.data_ptr() != fb.seq_lens.data_ptr()
+    server.req_pool.free_rows(rows)
 
 
 def test_the_live_batch_carries_sglangs_host_copy_of_its_rows() -> None:
@@ -354,3 +505,35 @@ def test_the_probes_of_a_pass_reach_the_host_in_one_read() -> None:
     assert sum(syncs.values()) == 1
     for probe, scores in zip(probes, together, strict=True):
         assert type(scores) is torch.Tensor and torch.equal(scores, probe.scores)
+
+
+def test_a_probe_scores_its_layers_without_a_sync() -> None:
+    """A probe's rows and positions reach the device once, without blocking, and no layer
+    copies or reads them again; its scores are ``question_attention``'s on host data."""
+    from sgl_pic.selection.query_aware import question_attention
+
+    pool = FakePool(64, LAYERS, KV_HEADS, DIM)
+    pool.k_buffer = [dev(torch.randn(b.shape)) for b in pool.k_buffer]
+    attn = [
+        SimpleNamespace(tp_q_head_num=HEADS, qk_head_dim=DIM, layer_id=i, scaling=0.25)
+        for i in range(LAYERS)
+    ]
+    slots = dev(torch.randperm(63)[:12] + 1)
+    rows, pos = torch.tensor([1, 3, 4]), torch.tensor([5, 9, 11])
+    qs = [dev(torch.randn(6, HEADS * DIM)) for _ in range(LAYERS)]
+    with counting() as syncs:
+        probe = query_probe.QueryProbe(pool, slots, rows, pos, LAYERS)
+        for layer in range(LAYERS):
+            probe.after_attention(layer, attn[layer], qs[layer])
+    assert not syncs
+    plain = slots.as_subclass(torch.Tensor)
+    want = sum(
+        question_attention(
+            qs[i].as_subclass(torch.Tensor).reshape(6, HEADS, DIM)[rows],
+            pool.k_buffer[i].as_subclass(torch.Tensor)[plain],
+            pos,
+            0.25,
+        )
+        for i in range(LAYERS)
+    )
+    assert torch.allclose(probe.scores, want, atol=1e-6)

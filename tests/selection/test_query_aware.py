@@ -117,3 +117,24 @@ def test_question_attention_is_causal_softmax_summed_over_heads_and_queries() ->
     assert float(question_attention(q[:0], k, pos[:0]).abs().sum()) == 0.0
     # A query never sees a later key.
     assert float(question_attention(q[:1], k, pos[:1])[6:].abs().sum()) == 0.0
+
+
+def test_question_attention_takes_the_least_position_from_the_host() -> None:
+    """A caller holding the positions on the device gives their least one (``first_pos``):
+    the same scores, and ``q_pos`` is neither read nor copied to find it."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 8, generator=g)
+    k = torch.randn(10, 2, 8, generator=g)
+    pos = torch.tensor([8, 5, 9])
+    want = question_attention(q, k, pos)
+
+    class NoMin(torch.Tensor):
+        """Positions whose least value must not be looked up."""
+
+        def min(self, *args: object, **kwargs: object) -> torch.Tensor:
+            raise AssertionError("q_pos.min() read")
+
+    got = question_attention(q, k, pos.as_subclass(NoMin), first_pos=5)
+    assert torch.equal(got.as_subclass(torch.Tensor), want)
+    with pytest.raises(AssertionError, match="read"):
+        question_attention(q, k, pos.as_subclass(NoMin))
