@@ -39,7 +39,11 @@ request: given ``input_ids`` it renders no prompt from them and uses them to par
 calls and build tool-choice constraints, as for a request it rendered.
 
 A piece the template does not render verbatim (trimmed, rewritten, repeated, dropped) stays
-fresh; a client's mark on such a piece is an error (HTTP 400). A request auto-chunking cannot
+fresh; a client's mark on such a piece is an error (HTTP 400). Finding such pieces renders
+the whole conversation again per try, so only pieces that can become chunks are searched
+(the client's, the tools, the latest ``max_chunks`` long enough of those made here), within
+``search_renders`` renderings; the pieces it does not reach stay fresh (a client's mark among
+them is an error). A request auto-chunking cannot
 render (a content item other than text, a template that fails) is left to SGLang unchunked;
 with chunks the client marked, the same is an error. Malformed requests (bad ``pic``
 options, messages or tools) are errors either way. A client's ``input_ids`` replace
@@ -64,6 +68,7 @@ from sgl_pic.integration.template_spans import (
     sentinel,
     sentinel_piece,
     tokenize_spans,
+    unmark,
 )
 from sgl_pic.layout import LayoutError, PromptLayout, Span
 
@@ -242,24 +247,46 @@ def chat_prompt(
     prefix_piece = sentinel_piece(marked_inputs.prefix)
 
     def attempt(subset: frozenset[int]) -> str:
+        # The inputs with every content marked, the others' sentinels put back: parsing
+        # the request again for each try would cost as much as the rendering.
+        rest = {k: plan.pieces[k].text for k in every - subset}
         inputs = (
-            marked_inputs
-            if subset >= every
-            else template.inputs(_body(body, plan, subset & every), defaults)
+            marked_inputs._replace(
+                messages=unmark(marked_inputs.messages, rest),
+                prefix=unmark(marked_inputs.prefix, rest),
+            )
+            if rest
+            else marked_inputs
         )
         contents = {k: plan.pieces[k].text for k in subset if k < n}
         tool_pieces = {k - n: k for k in subset if k >= n}
         return template.render_marked(inputs, tools, tool_pieces, contents)
 
     wanted = [k for k in range(n + len(tools or ())) if k != prefix_piece]
-    spans = locate(text, attempt, wanted)
+    tokenize = _memo(tokenize)  # pieces counted for the search are tokenized again below
+    spans, unsearched = locate(
+        text,
+        attempt,
+        wanted,
+        search=_searched(plan, n, len(tools or ()), prefix_piece, config, tokenize),
+        max_renders=search_renders(config),
+    )
     found = {s.piece for s in spans}
-    for k in wanted:
-        if k < n and plan.pieces[k].kind is PieceKind.MARKED and k not in found:
-            raise LayoutError(
-                f"message {plan.owners[k]}: the chat template does not render its marked text "
-                "verbatim (it drops, trims, repeats or rewrites it), so it cannot be a chunk"
-            )
+    missing = [
+        k for k in wanted if k < n and plan.pieces[k].kind is PieceKind.MARKED and k not in found
+    ]
+    if late := [k for k in missing if k in unsearched]:
+        raise LayoutError(
+            f"message {plan.owners[late[0]]}: the chat template does not render every marked "
+            "text verbatim, and finding which ones it does took more than "
+            f"{search_renders(config)} renderings; mark fewer texts, or only texts the "
+            "template renders as they are (not trimmed or rewritten)"
+        )
+    if missing:
+        raise LayoutError(
+            f"message {plan.owners[missing[0]]}: the chat template does not render its marked "
+            "text verbatim (it drops, trims, repeats or rewrites it), so it cannot be a chunk"
+        )
     ids, ranges = tokenize_spans(text, spans, tokenize)
     pieces = [(Span(*r), kinds[s.piece]) for s, r in zip(spans, ranges, strict=True)]
     if real.prefix:
@@ -273,6 +300,55 @@ def chat_prompt(
     if not chunks:
         return None
     return ChatPrompt(ids, PromptLayout(len(ids), tuple(chunks)))
+
+
+def search_renders(config: PicConfig) -> int:
+    """The most renderings spent finding which pieces a template renders verbatim when not
+    all of them are (each renders the whole conversation, in the server's event loop)."""
+    return 16 + config.max_chunks // 8
+
+
+def _searched(
+    plan: _Plan,
+    n: int,
+    n_tools: int,
+    prefix_piece: int | None,
+    config: PicConfig,
+    tokenize: Callable[[str], list[int]],
+) -> list[int]:
+    """The pieces worth searching for when not all render verbatim, first first: those
+    that can become chunks (``_chunk_spans``). The client's marks, then the tools, then the
+    latest of the messages' pieces made here long enough to be chunks, at most
+    ``max_chunks`` of each (past it the earliest made here stay fresh anyway). Pieces only
+    tokenized on their own, or too short, stay fresh."""
+    shortest = max(config.auto_chunk_min_tokens, config.min_chunk_tokens)
+    marked = [k for k in range(n) if plan.pieces[k].kind is PieceKind.MARKED]
+    tools = list(range(n, n + n_tools))[: config.max_chunks]
+    auto: list[int] = []
+    for k in reversed(range(n)):
+        if len(auto) >= config.max_chunks:
+            break
+        piece = plan.pieces[k]
+        if piece.kind is not PieceKind.AUTO or k == prefix_piece:
+            continue
+        # A token holds at least one byte: fewer bytes than ``shortest`` is too short.
+        if (
+            len(piece.text.encode("utf-8", "surrogatepass")) >= shortest
+            and len(tokenize(piece.text)) >= shortest
+        ):
+            auto.append(k)
+    return [k for k in marked + tools + auto if k != prefix_piece]
+
+
+def _memo(tokenize: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
+    seen: dict[str, list[int]] = {}
+
+    def cached(text: str) -> list[int]:
+        if text not in seen:
+            seen[text] = tokenize(text)
+        return list(seen[text])
+
+    return cached
 
 
 class _Plan(NamedTuple):
@@ -405,8 +481,10 @@ def _piece(i: int, text: str, mark: bool | None, auto: bool, chosen: bool) -> Pi
 
 
 def check_tools(tools: Any, tool_choice: Any) -> None:
-    """Raises LayoutError for malformed ``tools`` or ``tool_choice`` (with the field at
-    fault; SGLang's own answer names none)."""
+    """Raises LayoutError for ``tools`` or ``tool_choice`` SGLang's request model refuses
+    (with the field at fault; SGLang's own answer names none). What it accepts is rendered
+    as it renders it (``chat_render``): a null description or parameters, any schema, any
+    type, names used twice."""
     if tools is None:
         return
     if not isinstance(tools, list):
@@ -414,28 +492,20 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
             "'tools' must be a list of {'type': 'function', 'function': {...}} objects, got "
             f"{type(tools).__name__}"
         )
-    names: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise LayoutError(f"tool {i} must be an object, got {type(tool).__name__}")
-        kind = tool.get("type", "function")
-        if kind != "function":
-            raise LayoutError(f"tool {i}: only 'function' tools are supported, got {kind!r}")
+        if not isinstance(tool.get("type", "function"), str):
+            raise LayoutError(f"tool {i}: 'type' must be a string")
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise LayoutError(f"tool {i}: 'function' must be an object")
         name = fn.get("name")
-        if not (isinstance(name, str) and name):
-            raise LayoutError(f"tool {i}: 'function.name' must be a non-empty string")
-        if not isinstance(fn.get("description", ""), str):
+        if not isinstance(name, str):
+            raise LayoutError(f"tool {i}: 'function.name' must be a string")
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
             raise LayoutError(f"tool {i} ({name}): 'function.description' must be a string")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise LayoutError(
-                f"tool {i} ({name}): 'function.parameters' must be a JSON schema object"
-            )
-        if name in names:
-            raise LayoutError(f"tool {i}: the name {name!r} is used by another tool")
-        names.add(name)
     if tool_choice is None or tool_choice in ("auto", "required", "none"):
         return
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None

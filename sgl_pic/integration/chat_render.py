@@ -65,6 +65,16 @@ def chat_inputs(
         request = ChatCompletionRequest(**body)
     except (ValidationError, ValueError, TypeError) as e:
         raise LayoutError(f"invalid chat request: {e}") from e
+    # SGLang takes ``reasoning_effort`` out of the request's template options (over the
+    # request's own field) before it merges the server's defaults into them
+    # (``_convert_to_internal_request``, then ``_process_messages``): a default
+    # ``reasoning_effort`` then wins over the request's (it is set again below).
+    if request.chat_template_kwargs:
+        ctk = dict(request.chat_template_kwargs)
+        effort = ctk.pop("reasoning_effort", None)
+        request.chat_template_kwargs = ctk
+        if effort is not None:
+            request.reasoning_effort = effort
     if defaults:
         ctk = dict(request.chat_template_kwargs or {})
         for k, v in defaults.items():

@@ -14,8 +14,10 @@ template, the template is rendered a second time, *marked*:
 
 Markers removed, the marked rendering must equal the real one exactly; the markers then give
 each piece's span. Where it does not (the template trims, rewrites or repeats a piece, or
-branches on its text), pieces are marked one at a time and only those keeping the rendering
-exact are kept; the others stay fresh text. A template that serialises tools without
+branches on its text), the pieces that could become chunks are searched by bisection, within
+a bounded number of renderings (each renders the whole conversation: a piece-by-piece
+search would take time quadratic in the message count), and only those keeping the
+rendering exact are kept; the others stay fresh text. A template that serialises tools without
 ``tojson`` (key by key) leaves its tools fresh. Correctness never depends on this search:
 the text is always the real rendering.
 
@@ -197,29 +199,62 @@ def resolve(marked: str) -> tuple[str, list[PieceSpan]]:
     return "".join(text), [s for s in found if seen[s.piece] == 1 and s.end > s.start]
 
 
+class Located(NamedTuple):
+    """What ``locate`` found. spans: in text order; unsearched: pieces left fresh because
+    the search ran out of renderings before reaching them."""
+
+    spans: list[PieceSpan]
+    unsearched: frozenset[int]
+
+
 def locate(
     expected: str,
     attempt: Callable[[frozenset[int]], str],
     pieces: Iterable[int],
-) -> list[PieceSpan]:
-    """The spans in ``expected`` (the real rendering) of those ``pieces`` that the template
-    renders verbatim, in text order. ``attempt(subset)`` is the marked rendering with only
-    ``subset`` marked. All are tried at once; when that does not give ``expected`` back,
-    one at a time, keeping those that do (one more rendering per piece)."""
+    search: Sequence[int] | None = None,
+    max_renders: int | None = None,
+) -> Located:
+    """The spans in ``expected`` (the real rendering) of the pieces the template renders
+    verbatim. ``attempt(subset)`` is the marked rendering with only ``subset`` marked.
+
+    All ``pieces`` are tried at once (one rendering). When that does not give ``expected``
+    back, only the pieces of ``search`` (default: all; in order of priority) are searched,
+    by bisection: a group that keeps the rendering exact is kept whole, one that does not is
+    split in two, a single piece that does not stays fresh. Each try renders the whole
+    conversation, so the search makes at most ``max_renders`` renderings (None: no bound);
+    the pieces it did not reach stay fresh and are reported as ``unsearched``."""
     wanted = frozenset(pieces)
     if not wanted:
-        return []
+        return Located([], frozenset())
     spans = _try(expected, attempt, wanted)
     if spans is not None and {s.piece for s in spans} == wanted:
-        return spans
+        return Located(spans, frozenset())
+    order = [p for p in dict.fromkeys(sorted(wanted) if search is None else search) if p in wanted]
     kept: frozenset[int] = frozenset()
     best: list[PieceSpan] = []
-    for p in sorted(wanted):
-        got = _try(expected, attempt, kept | {p})
-        if got is not None and p in {s.piece for s in got}:
+    renders = 0
+    # Groups still to try, first in front (all of ``wanted`` was tried already).
+    if set(order) != wanted:
+        todo = [order] if order else []
+    else:
+        todo = _halves(order) if len(order) > 1 else []
+    while todo:
+        if max_renders is not None and renders >= max_renders:
+            break
+        group = todo.pop(0)
+        renders += 1
+        got = _try(expected, attempt, kept | frozenset(group))
+        if got is not None and set(group) <= {s.piece for s in got}:
             kept = frozenset(s.piece for s in got)
             best = got
-    return best
+        elif len(group) > 1:
+            todo[:0] = _halves(group)
+    return Located(best, frozenset(p for g in todo for p in g))
+
+
+def _halves(group: list[int]) -> list[list[int]]:
+    mid = len(group) // 2
+    return [group[:mid], group[mid:]]
 
 
 def _try(
@@ -255,6 +290,23 @@ def tokenize_spans(
     if pos < len(text):
         ids += tokenize(text[pos:])
     return ids, ranges
+
+
+def unmark(value: Any, contents: Mapping[int, str]) -> Any:
+    """``value`` (plain data: dicts, lists, strings) with the sentinels of ``contents`` put
+    back as their real text (other sentinels kept); what is unchanged is shared."""
+    if isinstance(value, str):
+        if _SENT_OPEN not in value:
+            return value
+        return _SENTINEL.sub(
+            lambda m: contents.get(int(m.group(1)), m.group(0)),  # type: ignore[arg-type]
+            value,
+        )
+    if isinstance(value, dict):
+        return {k: unmark(v, contents) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unmark(v, contents) for v in value]
+    return value
 
 
 def sentinel_piece(text: Any) -> int | None:

@@ -16,7 +16,7 @@ import requests
 
 from sgl_pic.config import PicConfig
 from sgl_pic.cut_points import cut_points
-from sgl_pic.integration.chat_chunks import parse_roles, windows
+from sgl_pic.integration.chat_chunks import parse_roles, search_renders, windows
 from sgl_pic.integration.chat_render import ChatTemplate
 from sgl_pic.integration.http_ext import RequestTranslator
 from sgl_pic.integration.settings import PicServerSettings
@@ -362,6 +362,76 @@ def test_a_template_that_rewrites_text_leaves_it_fresh() -> None:
     assert out is not None and chunk_texts(out) == [DOCS["A"]]
 
 
+def counting(t: RequestTranslator, template: str) -> list[int]:
+    """Counts the marked renderings ``t`` makes (each renders the whole conversation)."""
+    calls: list[int] = []
+
+    class Counting(ChatTemplate):
+        def render_marked(self, *args: Any, **kwargs: Any) -> str:
+            calls.append(1)
+            return super().render_marked(*args, **kwargs)
+
+    tok = templated(template)
+    t._render_chat = lambda: Counting(tok)  # type: ignore[method-assign]
+    return calls
+
+
+def long_turns(n: int, text: str) -> list[dict[str, Any]]:
+    msgs = []
+    for i in range(n):
+        msgs.append({"role": "user", "content": f"question {i}: {text}"})
+        msgs.append({"role": "assistant", "content": f"answer {i}: {text}"})
+    return [*msgs, {"role": "user", "content": "final?"}]
+
+
+def test_a_piece_the_template_trims_costs_a_bounded_number_of_renderings() -> None:
+    """A template that trims content (llama3), one message with a trailing newline: the
+    pieces are not searched one by one (each try renders the whole conversation, in the
+    server's event loop), only those that can become chunks, by bisection, within a bound
+    set by max_chunks."""
+    config = PicConfig()
+    t = translator(ALL, config, template="llama3")
+    calls = counting(t, "llama3")
+    # Short turns (under auto_chunk_min_tokens): nothing to search for.
+    msgs = long_turns(200, "short")
+    msgs[1]["content"] += "\n"
+    assert chat(t, {"messages": msgs}) is None
+    assert len(calls) <= 2
+    # Long turns, one trimmed: found by bisection, the others still chunks.
+    calls.clear()
+    long = f"{DOCS['A']} {DOCS['B']}"  # 37 tokens: over auto_chunk_min_tokens
+    msgs = long_turns(100, long)
+    msgs[7]["content"] += "\n"
+    out = chat(t, {"messages": msgs})
+    assert out is not None
+    assert tokenizer().decode(out["input_ids"]) == sglang_render("llama3", {"messages": msgs})
+    texts = chunk_texts(out, config)
+    assert f"answer 3: {long}" not in texts and f"answer 4: {long}" in texts
+    assert len(texts) == 199
+    assert len(calls) <= 2 + 2 * 8
+    # Every long turn trimmed: at most search_renders(config) renderings, all fresh.
+    calls.clear()
+    msgs = long_turns(100, long + "\n")
+    assert chat(t, {"messages": msgs}) is None
+    assert len(calls) <= 1 + search_renders(config)
+    # Client marks the search does not reach within the bound are refused, saying so.
+    config = PicConfig(max_chunks=64)
+    t = translator(ALL, config, template="llama3")
+    calls = counting(t, "llama3")
+    msgs = long_turns(40, long)
+    for m in msgs[40:80]:
+        m["content"] += "\n"
+    marked = [{**m, "pic_chunk": True} for m in msgs[:60]] + msgs[60:]
+    with pytest.raises(LayoutError, match=f"took more than {search_renders(config)} renderings"):
+        chat(t, {"messages": marked})
+    assert len(calls) <= 1 + search_renders(config)
+    # Marks the template renders verbatim still work next to trimmed auto pieces.
+    msgs = long_turns(40, long + "\n")
+    msgs[0] = {"role": "user", "content": long, "pic_chunk": True}
+    out = chat(t, {"messages": msgs})
+    assert out is not None and chunk_texts(out, config) == [long]
+
+
 # -- tool schemas ----------------------------------------------------------------------
 
 
@@ -531,14 +601,10 @@ def _fn(**fn: Any) -> list[dict[str, Any]]:
         ({"tools": {"search": SEARCH}}, "'tools' must be a list"),
         ({"tools": ["search"]}, "tool 0 must be an object"),
         ({"tools": [{"type": "function"}]}, "tool 0: 'function' must be an object"),
-        ({"tools": _fn(description="no name")}, r"'function.name' must be a non-empty string"),
-        ({"tools": _fn(name="")}, r"'function.name' must be a non-empty string"),
-        ({"tools": _fn(name=7)}, r"'function.name' must be a non-empty string"),
-        ({"tools": _fn(name="a", parameters="{}")}, "must be a JSON schema object"),
-        ({"tools": _fn(name="a", parameters=[1])}, "must be a JSON schema object"),
+        ({"tools": _fn(description="no name")}, r"'function.name' must be a string"),
+        ({"tools": _fn(name=7)}, r"'function.name' must be a string"),
         ({"tools": _fn(name="a", description=3)}, "'function.description' must be a string"),
-        ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "only 'function'"),
-        ({"tools": [SEARCH, SEARCH]}, "'search' is used by another tool"),
+        ({"tools": [{"type": 1, "function": {"name": "a"}}]}, "'type' must be a string"),
         ({"tools": [SEARCH], "tool_choice": "sometimes"}, "'tool_choice' must be"),
         ({"messages": ["hi"]}, "message 0 must be an object"),
         ({"messages": [{"role": 3, "content": "x"}]}, "'role' must be a string"),
@@ -566,6 +632,41 @@ def test_malformed_chat_requests_raise_layout_error(body: dict[str, Any], needle
     req = {"messages": session(), **body}
     with pytest.raises(LayoutError, match=needle):
         chat(translator(ALL), req)
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        _fn(name="f", description=None, parameters=None),
+        _fn(name="f"),
+        _fn(name="", description="unnamed"),
+        _fn(name="a", parameters="{}"),
+        _fn(name="a", parameters=[1]),
+        [{"type": "retrieval", "function": {"name": "a"}}],
+        [SEARCH, SEARCH],
+        [SEARCH, {"type": "function", "function": {**SEARCH["function"], "description": None}}],
+    ],
+)
+def test_tools_sglang_accepts_are_rendered_as_it_renders_them(tools: list[Any]) -> None:
+    """Tools SGLang's request model accepts (null description or parameters, any schema,
+    a name used twice) are no error: auto-chunked as the template shows them, and client
+    marks on messages still work."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": DOCS["A"]}, {"role": "user", "content": U1}]
+    ChatCompletionRequest(model="m", messages=msgs, tools=tools)  # SGLang takes it
+    for template in ("qwen25", ""):
+        body = {"messages": msgs, "tools": tools}
+        out = chat(translator(ALL, template=template), body)
+        assert out is not None
+        assert tokenizer().decode(out["input_ids"]) == sglang_render(template, body)
+        assert DOCS["A"] in chunk_texts(out)
+        if template:  # each tool, as the template serialises it, is a chunk
+            assert len(chunk_texts(out)) == len(tools) + 1
+        marked = [{**msgs[0], "pic_chunk": True}, msgs[1]]
+        out = chat(translator(template=template), {"messages": marked, "tools": tools})
+        assert out is not None and DOCS["A"] in chunk_texts(out)
+        assert tokenizer().decode(out["input_ids"]) == sglang_render(template, body)
 
 
 @pytest.mark.parametrize("bad", ["tool,robot", "tool,,user", "Tool", ",", 3, None])

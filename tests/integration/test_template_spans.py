@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sgl_pic.integration.template_spans import (
+    Located,
     MarkError,
     Marks,
     PieceSpan,
@@ -76,8 +77,47 @@ def test_locate_keeps_the_pieces_rendered_verbatim() -> None:
         shown = {k: sentinel(k) if k in subset else t for k, t in texts.items()}
         return render_sentinels(render(shown), {k: texts[k] for k in subset})
 
-    spans = locate(expected, attempt, [0, 1, 2])
+    spans, unsearched = locate(expected, attempt, [0, 1, 2])
+    assert not unsearched
     assert [(s.piece, expected[s.start : s.end]) for s in spans] == [(1, "beta"), (2, "gamma")]
     ids, ranges = tokenize_spans(expected, spans, lambda t: [ord(c) for c in t])
     assert "".join(map(chr, ids)) == expected
     assert ["".join(map(chr, ids[a:b])) for a, b in ranges] == ["beta", "gamma"]
+
+
+def trimming(texts: dict[int, str]) -> tuple[str, Any]:
+    """A template rendering each text between brackets, stripped (so a text with outer
+    whitespace is not rendered verbatim); its real rendering and a counted ``attempt``."""
+
+    def render(contents: dict[int, str]) -> str:
+        return "".join(f"<{contents[k].strip()}>" for k in sorted(contents))
+
+    def attempt(subset: frozenset[int]) -> str:
+        attempt.calls += 1  # type: ignore[attr-defined]
+        shown = {k: sentinel(k) if k in subset else t for k, t in texts.items()}
+        return render_sentinels(render(shown), {k: texts[k] for k in subset})
+
+    attempt.calls = 0  # type: ignore[attr-defined]
+    return render(texts), attempt
+
+
+def test_locate_searches_by_bisection_within_a_bound() -> None:
+    """One trimmed piece among many costs a few renderings (not one per piece); only the
+    pieces of ``search`` are searched; past ``max_renders`` the rest stay fresh."""
+    n = 512
+    texts = {k: f"text {k}" for k in range(n)}
+    texts[77] += "\n"
+    expected, attempt = trimming(texts)
+    spans, unsearched = locate(expected, attempt, range(n))
+    assert {s.piece for s in spans} == set(range(n)) - {77} and not unsearched
+    assert attempt.calls <= 2 + 2 * 10  # all at once, then two tries per level
+    # Only the pieces searched for.
+    expected, attempt = trimming(texts)
+    spans, _ = locate(expected, attempt, range(n), search=[3, 77, 400])
+    assert {s.piece for s in spans} == {3, 400} and attempt.calls <= 6
+    # Every piece trimmed: the bound holds, the rest is reported unsearched.
+    texts = {k: f" text {k}" for k in range(n)}
+    expected, attempt = trimming(texts)
+    got = locate(expected, attempt, range(n), max_renders=20)
+    assert isinstance(got, Located) and got.spans == [] and attempt.calls == 21
+    assert got.unsearched and got.unsearched <= set(range(n))

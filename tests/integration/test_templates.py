@@ -102,12 +102,15 @@ def test_template_options_change_the_prompt_and_are_chunked() -> None:
     assert chunks(outs[True]) == chunks(outs[False])
 
 
-def sglang_prompt_ids(name: str, body: dict[str, Any]) -> list[int]:
-    """The prompt ids SGLang's own chat path makes of ``body`` with fixture ``name``:
+def sglang_prompt_ids(
+    name: str, body: dict[str, Any], tok: Any = None, defaults: dict[str, Any] | None = None
+) -> list[int]:
+    """The prompt ids SGLang's own chat path makes of ``body`` with fixture ``name`` (or
+    tokenizer ``tok``; ``defaults``: the server's default template options):
     ``OpenAIServingChat._process_messages`` of the installed SGLang, on an instance holding
     the state its Jinja path reads (a template given as Jinja, no chat encoder, no
     reasoning parser, the family's tool parser), as its constructor would set it for the
-    tokenizer."""
+    tokenizer, after the step of ``_convert_to_internal_request`` that precedes it."""
     from collections import OrderedDict
     from types import SimpleNamespace
 
@@ -118,7 +121,7 @@ def sglang_prompt_ids(name: str, body: dict[str, Any]) -> list[int]:
     from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
     from sglang.srt.parser.jinja_template_utils import detect_jinja_template_content_format
 
-    tok = templated(name)
+    tok = tok or templated(name)
     serving = object.__new__(OpenAIServingChat)
     serving.template_manager = SimpleNamespace(
         jinja_template_content_format=detect_jinja_template_content_format(tok.chat_template),
@@ -134,12 +137,63 @@ def sglang_prompt_ids(name: str, body: dict[str, Any]) -> list[int]:
     serving._prompt_text_round_trip_is_lossy = False
     serving._tokenizer_auto_adds_specials = len(tok.encode("")) > 0
     serving._chat_template_cache = OrderedDict()
-    serving.default_chat_template_kwargs = {}
+    serving.default_chat_template_kwargs = defaults or {}
     serving.reasoning_parser = None
     serving._reasoning_detector = None
     serving.tool_call_parser = FAMILIES.get(name)
     request = ChatCompletionRequest(**copy.deepcopy(body))
+    # _convert_to_internal_request (serving_chat.py, before _process_messages; no Hunyuan
+    # reasoning parser): the template options' effort moves to the request's field.
+    effort = (
+        request.chat_template_kwargs.pop("reasoning_effort", None)
+        if request.chat_template_kwargs
+        else None
+    )
+    if effort is not None:
+        request.reasoning_effort = effort
     return list(serving._process_messages(request, is_multimodal=False).prompt_ids)
+
+
+def test_reasoning_effort_and_the_servers_default_options_as_sglang_merges_them() -> None:
+    """A ``reasoning_effort`` in the request's template options is moved out of them
+    before the server's defaults are merged in: a default effort then wins over it."""
+    from sgl_pic.integration.chat_render import ChatTemplate
+
+    tok = copy.copy(tokenizer())
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "effort={{ reasoning_effort }} think={{ enable_thinking }}"
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    bodies = [
+        {"chat_template_kwargs": {"reasoning_effort": "high"}},
+        {"chat_template_kwargs": {"reasoning_effort": "high", "enable_thinking": True}},
+        {"reasoning_effort": "medium", "chat_template_kwargs": {"reasoning_effort": "high"}},
+        {"reasoning_effort": "medium"},
+        {"chat_template_kwargs": {}},
+        {},
+    ]
+    defaults_cases = [
+        {},
+        {"reasoning_effort": "low"},
+        {"enable_thinking": False},
+        {"reasoning_effort": "low", "enable_thinking": False},
+    ]
+    seen = set()
+    for defaults in defaults_cases:
+        for extra in bodies:
+            body = {"model": "m", "messages": msgs, **extra}
+            want = tok.decode(sglang_prompt_ids(EMBEDDED, body, tok, defaults))
+            template = ChatTemplate(tok)
+            got = template.render(template.inputs(copy.deepcopy(body), defaults))[0]
+            assert got == want, (defaults, extra)
+            seen.add(got)
+    # The server's default effort wins over the request's template option.
+    body = {"model": "m", "messages": msgs, "chat_template_kwargs": {"reasoning_effort": "high"}}
+    template = ChatTemplate(tok)
+    text = template.render(template.inputs(body, {"reasoning_effort": "low"}))[0]
+    assert text.endswith("effort=low think=")
+    assert len(seen) > 4
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
