@@ -11,9 +11,10 @@ what a user gets by default, then:
     supported     ``sgl_pic_unsupported{reason}`` is 0 for every reason: reuse is on;
     exact         each prompt marked in chunks at ``full_recompute`` (every token goes
                   through chunk lookup, phase 1 for misses, and phase 2) against the same
-                  token ids unmarked, each under a fresh ``extra_key`` so neither finds
-                  the other's prefix: the first generated token is the same and its top
-                  log-probabilities agree within ``--tolerance`` nats (the chunk path's
+                  token ids unmarked (marked requests share one tenant's ``extra_key``,
+                  each plain one has its own, so neither finds the other's prefix): the
+                  first generated token is the same and its top log-probabilities agree
+                  within ``--tolerance`` nats (the chunk path's
                   batches against one SGLang forward: kernel order and precision, nothing
                   else);
     reuse         the same documents in another order at the server's default policy: at
@@ -78,13 +79,18 @@ def build_prompt(tokenizer: Any, order: list[int], question: str) -> tuple[list[
     return toks + ids(f"Question: {question}\nAnswer:"), spans
 
 
+# Every marked request of a run is one tenant (its chunks are reused only inside it); each
+# plain request gets a key of its own, so it finds no prefix a marked one left.
+TENANT = f"serve-check-{secrets.token_hex(4)}"
+
+
 def request(toks: list[int], spans: list | None, policy: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": toks,
         "sampling_params": {"temperature": 0, "max_new_tokens": 8},
         "return_logprob": True,
         "top_logprobs_num": TOP,
-        "extra_key": f"serve-check-{secrets.token_hex(4)}",
+        "extra_key": TENANT if spans is not None else f"plain-{secrets.token_hex(4)}",
     }
     if spans is not None:
         body["pic"] = {"chunks": spans, **({"config": {"policy": policy}} if policy else {})}
