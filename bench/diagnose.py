@@ -38,10 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fidelity import DEFAULT_DATA, _embedded_path, bootstrap_ci  # noqa: E402
+from _common import DEFAULT_DATA, embedded_path  # noqa: E402
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
+    bootstrap_ci,
     chunk_drift,
     first_token_kl,
     greedy_agreement,
@@ -709,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     git = git_state()
-    model_path = args.model or _embedded_path()
+    model_path = args.model or embedded_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
     examples = load_rag_examples(args.data)[: args.examples]

@@ -6,6 +6,11 @@ every chunk (cached: not part of the reuse path's time), then for each policy an
 budget the reuse path (assembly + selection + recomputation, timed) and its fidelity.
 Time ratios are measured side by side in the same process for the same prompt.
 
+The precision floor: exact prefill of the same model in bfloat16 and float16 (weights,
+activations and KV in that dtype), measured against float32 exact prefill as every
+policy is. Beyond the first token: teacher-forced KL and top-1 along exact prefill's
+greedy continuation (up to its stop token), and ROUGE-L of the greedy answers.
+
     python bench/fidelity.py --examples 20
 """
 
@@ -14,12 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,15 +33,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _common import DEFAULT_DATA, embedded_path, git_state  # noqa: E402
+
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
     answer_f1,
+    bootstrap_ci,
     chunk_drift,
     first_token_kl,
     greedy_agreement,
     kv_deviation,
+    oracle_in_dtype,
+    position_fidelity,
     recall_at,
+    rouge_l,
+    teacher_forced_logits,
     top1_agrees,
+    until_stop,
 )
 from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
 from sgl_pic.oracle.forward import KVCache  # noqa: E402
@@ -54,7 +64,6 @@ from sgl_pic.selection import (  # noqa: E402
 )
 from sgl_pic.selection.cacheblend import reused_candidates  # noqa: E402
 
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 TARGET_BUDGET = 0.15  # issue #11's budget: the oracle selection is made at it
 
 
@@ -108,6 +117,16 @@ def variants(sweep: bool) -> list[Variant]:
 ORACLE_VARIANT = Variant(
     f"oracle deviation x attention {TARGET_BUDGET:.0%}", "oracle_selection", (), False
 )
+FLOOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def floor_variant(dtype: str) -> Variant:
+    """Exact prefill of the model in ``dtype``: the drift a GPU user accepts already."""
+    return Variant(f"exact {dtype}", f"exact_{dtype}", (), False)
+
+
+def is_floor(policy: str) -> bool:
+    return policy.startswith("exact_")
 
 
 class TimedReuse(NamedTuple):
@@ -160,44 +179,51 @@ def _oracle_selection(
     return TimedReuse(res.kv, res.logits, res.computed, time.perf_counter() - t0, t1 - t0)
 
 
-def bootstrap_ci(values: Sequence[float], seed: int = 0, n: int = 2000) -> list[float]:
-    """95% percentile bootstrap interval of the mean over examples."""
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
-    return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
+def _timed_floor(low: Oracle, ids: torch.Tensor) -> TimedReuse:
+    """Exact prefill of ``low`` (the model in a lower dtype), timed like a reuse path."""
+    t0 = time.perf_counter()
+    res = low.prefill(ids)
+    every = Selection(torch.arange(ids.numel()))
+    return TimedReuse(res.kv, res.logits, every, time.perf_counter() - t0, 0.0)
 
 
-def git_state() -> dict[str, Any]:
-    """The commit the run describes and whether the tree had changes."""
-
-    def git(*a: str) -> str:
-        return subprocess.run(
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+def stop_ids(tokenizer: Any) -> frozenset[int]:
+    """Tokens that end an answer: the tokenizer's EOS and the chat template's end of
+    turn, where the vocabulary has one."""
+    eos = tokenizer.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    end_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end_turn, int) and end_turn != tokenizer.unk_token_id:
+        ids.add(end_turn)
+    return frozenset(ids)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model_path = args.model or _embedded_path()
+    model_path = args.model or embedded_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    stops = stop_ids(tokenizer)
     oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
+    floors = {name: oracle_in_dtype(oracle, FLOOR_DTYPES[name]) for name in args.floors}
     examples = load_rag_examples(args.data)[args.first : args.first + args.examples]
     base = PicConfig()
     alpha = base.cachetune_alpha
     all_variants = variants(not args.no_sweep)
+    run_variants = all_variants + ([ORACLE_VARIANT] if args.oracle_selection else [])
+    floor_variants = [floor_variant(name) for name in floors]
+    new, cont = args.new_tokens, args.continuation_tokens
+    generated = max(new, cont)
     rows: list[dict[str, Any]] = []
     recalls: list[dict[str, float]] = []
 
     def ranker(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cachetune_ranking(k, v, alpha)
 
-    bar = tqdm(total=len(examples) * len(all_variants), desc="fidelity", unit="run")
+    bar = tqdm(total=len(examples) * (len(all_variants) + len(floors)), desc="fidelity", unit="run")
     for ex_i, ex in enumerate(examples):
         passages = [truncate_tokens(tokenizer, p, args.passage_tokens) for p in ex.passages]
         prompt = build_prompt(tokenizer, passages[: args.passages], ex.question)
@@ -208,32 +234,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_full = time.perf_counter() - t0
         chunks = [oracle.encode_chunk(ids[s.start : s.end], ranker=ranker) for s in layout.chunks]
         recalls.append(_ranking_recall(oracle, layout, full, chunks, base.cachetune_r))
-        results, times = [], []
+        results = []
         for var in all_variants:
             policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
             results.append(_timed_reuse(oracle, ids, layout, chunks, policy))
-            times.append(results[-1].seconds)
             bar.update(1)
         if args.oracle_selection:
             results.append(_oracle_selection(oracle, ids, layout, chunks, full, TARGET_BUDGET))
-            times.append(results[-1].seconds)
         # One batched greedy decode of the reference and every variant (same prompt
         # length): decoding is weight-bandwidth bound, so this costs about one decode.
-        continuations = oracle.generate_batch(
-            [full.kv] + [r.kv for r in results],
-            torch.stack([full.logits] + [r.logits for r in results]),
-            args.new_tokens,
+        continuations = list(
+            oracle.generate_batch(
+                [full.kv] + [r.kv for r in results],
+                torch.stack([full.logits] + [r.logits for r in results]),
+                generated,
+            )
         )
+        # The floors decode in their own dtype, as a GPU serving that dtype would.
+        tested = [(oracle, r) for r in results]
+        for low in floors.values():
+            res = _timed_floor(low, ids)
+            tested.append((low, res))
+            continuations.append(low.generate(res.kv, res.logits, generated))
+            bar.update(1)
         ref_tokens = continuations[0]
-        run_variants = all_variants + ([ORACLE_VARIANT] if args.oracle_selection else [])
-        f1_full = answer_f1(tokenizer.decode(ref_tokens, skip_special_tokens=True), ex.answers)
-        for var, res, t_reuse, tokens in zip(
-            run_variants, results, times, continuations[1:], strict=True
+        # Teacher forcing follows exact prefill's answer through its stop token; ROUGE-L
+        # compares the answers without it. Tokens after a stop are no part of an answer.
+        forced = until_stop(ref_tokens[:cont], stops, keep_stop=True)
+        ref_answer = until_stop(ref_tokens[:cont], stops).tolist()
+        ref_forced = teacher_forced_logits(oracle, full.kv, full.logits, forced)
+        f1_full = answer_f1(
+            tokenizer.decode(ref_tokens[:new], skip_special_tokens=True), ex.answers
+        )
+        for var, (path, res), tokens in zip(
+            run_variants + floor_variants, tested, continuations[1:], strict=True
         ):
             computed = res.computed.indices
             in_chunks = sum(
                 int(((computed >= s.start) & (computed < s.end)).sum()) for s in layout.chunks
             )
+            tf = position_fidelity(
+                ref_forced, teacher_forced_logits(path, res.kv, res.logits, forced)
+            )
+            answer = tokenizer.decode(tokens[:new], skip_special_tokens=True)
             rows.append(
                 {
                     "example": args.first + ex_i,
@@ -246,15 +289,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "computed_fraction": computed.numel() / layout.num_tokens,
                     "kl": first_token_kl(full.logits, res.logits),
                     "top1": float(top1_agrees(full.logits, res.logits)),
-                    "greedy_agreement": greedy_agreement(ref_tokens, tokens),
+                    "greedy_agreement": greedy_agreement(ref_tokens[:new], tokens[:new]),
                     "kv_deviation": kv_deviation(full.kv, res.kv),
-                    "f1": answer_f1(tokenizer.decode(tokens, skip_special_tokens=True), ex.answers),
+                    "f1": answer_f1(answer, ex.answers),
                     "f1_full": f1_full,
-                    "time_ratio": t_reuse / t_full,
+                    "tf_kl": tf.kl,
+                    "tf_top1": tf.top1,
+                    "tf_positions": tf.positions,
+                    "rouge_l": rouge_l(ref_answer, until_stop(tokens[:cont], stops).tolist()),
+                    "time_ratio": res.seconds / t_full,
                     "selection_s": res.selection_s,
-                    "selection_share": res.selection_s / t_reuse,
+                    "selection_share": res.selection_s / res.seconds,
                     "t_full_s": t_full,
-                    "t_reuse_s": t_reuse,
+                    "t_reuse_s": res.seconds,
                 }
             )
     bar.close()
@@ -266,15 +313,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "first": args.first,
         "passages": args.passages,
         "passage_tokens": args.passage_tokens,
-        "new_tokens": args.new_tokens,
+        "new_tokens": new,
+        "continuation_tokens": cont,
+        "floors": list(floors),
+        "stop_ids": sorted(stops),
         "threads": args.threads,
         "machine": platform.machine(),
         "torch": torch.__version__,
         "wall_s": time.perf_counter() - started,
+        # CPU time of the process: on a shared machine, what predicts another run's length.
+        "cpu_s": time.process_time() - cpu_started,
         "commit": git_state(),
-        "summary": summarize(
-            rows, all_variants + ([ORACLE_VARIANT] if args.oracle_selection else [])
-        ),
+        "summary": summarize(rows, run_variants + floor_variants),
         "cachetune_recall": {key: statistics.fmean(r[key] for r in recalls) for key in recalls[0]},
         "cachetune_recall_rows": recalls,
         "rows": rows,
@@ -284,11 +334,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One result from runs over disjoint example ranges of one commit and settings (runs
     side by side use the cores a single run leaves idle); wall_s is the longest part's."""
-    same = ("commit", "model", "data", "passages", "passage_tokens", "new_tokens", "threads")
+    same = (
+        "commit",
+        "model",
+        "data",
+        "passages",
+        "passage_tokens",
+        "new_tokens",
+        "continuation_tokens",
+        "floors",
+        "threads",
+    )
     for part in parts[1:]:
         for key in same:
-            if part[key] != parts[0][key]:
-                raise ValueError(f"parts differ in {key}: {part[key]!r} vs {parts[0][key]!r}")
+            if part.get(key) != parts[0].get(key):
+                raise ValueError(
+                    f"parts differ in {key}: {part.get(key)!r} vs {parts[0].get(key)!r}"
+                )
     seen = [r["example"] for part in parts for r in part["rows"] if r["variant"] == "full_reuse"]
     if len(seen) != len(set(seen)):
         raise ValueError("parts overlap in examples")
@@ -333,19 +395,30 @@ def _ranking_recall(
     }
 
 
+MEANS = (
+    "recompute_fraction",
+    "computed_fraction",
+    "kl",
+    "top1",
+    "greedy_agreement",
+    "kv_deviation",
+    "f1",
+    "tf_kl",
+    "tf_top1",
+    "tf_positions",
+    "rouge_l",
+    "time_ratio",
+    "selection_s",
+    "selection_share",
+)
+# Every fidelity figure gets a 95% bootstrap interval over the examples.
+WITH_CI = ("kl", "top1", "greedy_agreement", "kv_deviation", "f1", "tf_kl", "tf_top1", "rouge_l")
+
+
 def summarize(rows: list[dict[str, Any]], all_variants: list[Variant]) -> list[dict[str, Any]]:
-    keys = (
-        "recompute_fraction",
-        "computed_fraction",
-        "kl",
-        "top1",
-        "greedy_agreement",
-        "kv_deviation",
-        "f1",
-        "time_ratio",
-        "selection_s",
-        "selection_share",
-    )
+    """Per variant: the mean of every figure over the examples, a 95% bootstrap interval of
+    each fidelity figure, and, where the bfloat16 floor ran, first-token KL and
+    teacher-forced KL as multiples of the floor's ("reuse drift = N x bf16 drift")."""
     out = []
     for var in all_variants:
         mine = [r for r in rows if r["variant"] == var.label]
@@ -353,13 +426,28 @@ def summarize(rows: list[dict[str, Any]], all_variants: list[Variant]) -> list[d
             "variant": var.label,
             "policy": var.policy,
             "default": var.is_default,
+            "floor": is_floor(var.policy),
         }
-        for k in keys:
-            entry[k] = statistics.fmean(r[k] for r in mine)
-        for k in ("kl", "greedy_agreement"):
-            entry[k + "_ci95"] = bootstrap_ci([r[k] for r in mine])
+        for k in MEANS:
+            if all(k in r for r in mine):  # results of older commits lack the newer figures
+                entry[k] = statistics.fmean(r[k] for r in mine)
+        for k in WITH_CI:
+            if k in entry:
+                entry[k + "_ci95"] = bootstrap_ci([r[k] for r in mine])
         out.append(entry)
+    floor = next((e for e in out if e["policy"] == "exact_bfloat16"), None)
+    for entry in out:
+        for k in ("kl", "tf_kl"):
+            if floor is not None and floor.get(k, 0.0) > 0 and k in entry:
+                entry[f"{k}_over_bfloat16"] = entry[k] / floor[k]
     return out
+
+
+def _ci(entry: dict[str, Any], key: str, digits: int) -> str:
+    if key not in entry:
+        return "-"
+    lo, hi = entry[key + "_ci95"]
+    return f"{entry[key]:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -368,20 +456,36 @@ def print_table(result: dict[str, Any]) -> None:
         f"{statistics.fmean(r['num_tokens'] for r in result['rows']):.0f} tokens"
     )
     header = (
-        f"{'variant':<34}{'recomp':>8}{'KL':>8}{'KL 95% CI':>16}{'greedy':>8}"
-        f"{'greedy 95% CI':>15}{'top1':>6}{'select':>8}{'time':>6}"
+        f"{'variant':<34}{'recomp':>8}{'KL [95% CI]':>26}{'x bf16':>8}"
+        f"{'greedy [95% CI]':>20}{'top1':>6}{'select':>8}{'time':>6}"
     )
     print(header)
     print("-" * len(header))
     for s in result["summary"]:
-        kl_lo, kl_hi = s["kl_ci95"]
-        ag_lo, ag_hi = s["greedy_agreement_ci95"]
+        ratio = s.get("kl_over_bfloat16")
         print(
-            f"{s['variant']:<34}{s['recompute_fraction']:>8.3f}{s['kl']:>8.4f}"
-            f"{f'[{kl_lo:.3f}, {kl_hi:.3f}]':>16}{s['greedy_agreement']:>8.2f}"
-            f"{f'[{ag_lo:.2f}, {ag_hi:.2f}]':>15}{s['top1']:>6.2f}"
+            f"{s['variant']:<34}{s['recompute_fraction']:>8.3f}{_ci(s, 'kl', 4):>26}"
+            f"{'-' if ratio is None else f'{ratio:.1f}':>8}"
+            f"{_ci(s, 'greedy_agreement', 2):>20}{s['top1']:>6.2f}"
             f"{s['selection_share']:>8.1%}{s['time_ratio']:>6.2f}"
         )
+    if "tf_kl" in result["summary"][0]:
+        cont = result.get("continuation_tokens")
+        print(
+            f"\nAlong exact prefill's greedy answer (at most {cont} tokens, through its stop "
+            "token): teacher-forced top-1 and KL per position; ROUGE-L of the greedy answers"
+        )
+        header = f"{'variant':<34}{'TF top1':>22}{'TF KL':>26}{'x bf16':>8}{'ROUGE-L':>22}"
+        print(header)
+        print("-" * len(header))
+        for s in result["summary"]:
+            ratio = s.get("tf_kl_over_bfloat16")
+            print(
+                f"{s['variant']:<34}{_ci(s, 'tf_top1', 3):>22}{_ci(s, 'tf_kl', 4):>26}"
+                f"{'-' if ratio is None else f'{ratio:.1f}':>8}{_ci(s, 'rouge_l', 3):>22}"
+            )
+        positions = statistics.fmean(r["tf_positions"] for r in result["rows"])
+        print(f"mean teacher-forced positions per example: {positions:.1f}")
     rec = result["cachetune_recall"]
     print(
         "\nCacheTune E.2 Recall@15% of high-drift tokens: "
@@ -395,33 +499,36 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = [
+        ("kl", "first-token KL to full prefill (nats, lower is better)"),
+        ("greedy_agreement", f"greedy agreement, first {result['new_tokens']} tokens"),
+    ]
+    if "tf_top1" in result["summary"][0]:
+        panels.append(("tf_top1", "teacher-forced top-1 agreement along exact's answer"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
     by_policy: dict[str, list[dict[str, Any]]] = {}
     for s in result["summary"]:
         by_policy.setdefault(s["policy"], []).append(s)
     for policy, entries in sorted(by_policy.items()):
         entries.sort(key=lambda e: e["recompute_fraction"])
         xs = [e["recompute_fraction"] for e in entries]
-        for ax, key in zip(axes, ("kl", "greedy_agreement"), strict=True):
-            ax.plot(xs, [e[key] for e in entries], marker="o", label=policy)
-    axes[0].set_ylabel("first-token KL to full prefill (nats, lower is better)")
-    axes[0].set_yscale("symlog", linthresh=1e-3)
-    axes[1].set_ylabel(f"greedy agreement, first {result['new_tokens']} tokens")
-    for ax in axes:
+        for ax, (key, _) in zip(axes, panels, strict=True):
+            if is_floor(policy):  # no budget: a level every policy is read against
+                ax.axhline(entries[0][key], ls=":", color="k" if "bf" in policy else "grey")
+                ax.text(0.0, entries[0][key], f" {policy}", fontsize=7, va="bottom")
+            else:
+                ax.plot(xs, [e[key] for e in entries], marker="o", label=policy)
+    for ax, (_, label) in zip(axes, panels, strict=True):
+        ax.set_ylabel(label)
         ax.set_xlabel("fraction of chunk tokens recomputed")
         ax.grid(alpha=0.3)
+    axes[0].set_yscale("symlog", linthresh=1e-3)
     axes[1].legend(fontsize=8)
     fig.suptitle(
         f"Fidelity vs recompute ({result['examples']} MuSiQue examples, SmolLM2-135M, oracle)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _embedded_path() -> Path:
-    from sgl_pic.model.embedded import ensure_embedded_model
-
-    return ensure_embedded_model().path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,12 +541,26 @@ def main(argv: list[str] | None = None) -> int:
         "--passage-tokens", type=int, default=256, help="truncate passages (0 = keep whole)"
     )
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared")
+    p.add_argument(
+        "--continuation-tokens",
+        type=int,
+        default=64,
+        help="greedy answer length for teacher-forced fidelity and ROUGE-L",
+    )
+    p.add_argument(
+        "--floors",
+        nargs="*",
+        choices=sorted(FLOOR_DTYPES),
+        default=["bfloat16", "float16"],
+        help="dtypes whose exact prefill is measured against float32 (none: no floor rows)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-sweep", action="store_true", help="default budgets only")
     p.add_argument(
         "--oracle-selection",
         action="store_true",
-        help=f"add the oracle selection at {TARGET_BUDGET:.0%} (needs bench/diagnose.py)",
+        # argparse %-formats help: a literal percent sign is written %%.
+        help=f"add the oracle selection at {TARGET_BUDGET:.0%}% (needs bench/diagnose.py)",
     )
     p.add_argument("--first", type=int, default=0, help="index of the first example")
     p.add_argument(
@@ -449,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.examples < 1 or args.passages < 1 or args.first < 0:
         p.error("--examples and --passages must be >= 1, --first >= 0")
+    if args.new_tokens < 1 or args.continuation_tokens < 1:
+        p.error("--new-tokens and --continuation-tokens must be >= 1")
     if args.merge:
         result = merge([json.loads(path.read_text()) for path in args.merge])
     else:

@@ -36,12 +36,15 @@ def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def target(fidelity: dict[str, Any], budget: float = 0.15, seed: int = 0) -> list[dict[str, Any]]:
     """Issue #11's measure for every variant at no more than ``budget`` recomputed: its mean
     first-token KL over full reuse's, with a paired 95% bootstrap interval (examples
-    resampled, both means taken on the same resample), and its greedy agreement."""
+    resampled, both means taken on the same resample), and its greedy agreement; where the
+    run has them (issue 46), its teacher-forced top-1 less the bfloat16 floor's and its
+    first-token KL as a multiple of the floor's."""
     rows = fidelity["rows"]
     reuse = {r["example"]: r["kl"] for r in rows if r["variant"] == "full_reuse"}
     rng = random.Random(seed)
     examples = sorted(reuse)
     draws = [rng.choices(examples, k=len(examples)) for _ in range(2000)]
+    floor = next((s for s in fidelity["summary"] if s["policy"] == "exact_bfloat16"), None)
     out = []
     for s in fidelity["summary"]:
         if s["recompute_fraction"] > budget + 1e-3 or s["variant"] == "full_reuse":
@@ -58,6 +61,9 @@ def target(fidelity: dict[str, Any], budget: float = 0.15, seed: int = 0) -> lis
                 "greedy_agreement_ci95": s["greedy_agreement_ci95"],
             }
         )
+        if floor is not None and "tf_top1" in s:
+            out[-1]["tf_top1_minus_bfloat16"] = s["tf_top1"] - floor["tf_top1"]
+            out[-1]["kl_over_bfloat16"] = s.get("kl_over_bfloat16")
     return sorted(out, key=lambda t: t["kl_over_full_reuse"])
 
 
@@ -71,6 +77,12 @@ def collect(fidelity: dict[str, Any], serve: dict[str, Any] | None) -> dict[str,
             "kl_ci95": s["kl_ci95"],
         }
         for s in fidelity["summary"]
+        if not s.get("floor")  # a precision floor has no budget: a level, not a point
+    ]
+    floors = [
+        {"variant": s["variant"], "kl": s["kl"], "kl_ci95": s["kl_ci95"]}
+        for s in fidelity["summary"]
+        if s.get("floor")
     ]
     by_ttft = []
     if serve is not None:
@@ -90,6 +102,7 @@ def collect(fidelity: dict[str, Any], serve: dict[str, Any] | None) -> dict[str,
         "fidelity_commit": fidelity.get("commit"),
         "serve_commit": None if serve is None else serve.get("git_commit"),
         "by_fraction": by_fraction,
+        "floors": floors,
         # The oracle selection needs a full prefill to choose: a bound, not a policy.
         "frontier_by_fraction": frontier(
             [(p["recompute_fraction"], p["kl"]) for p in by_fraction if p["policy"] != ORACLE]
@@ -128,6 +141,9 @@ def plot(points: dict[str, Any], path: Path) -> None:
         if front:
             xs, ys = zip(*front, strict=True)
             ax.plot(xs, ys, "k--", lw=0.8, label="Pareto frontier")
+        for floor in points.get("floors", []):
+            ax.axhline(floor["kl"], ls=":", color="k", lw=0.8)
+            ax.text(ax.get_xlim()[0], floor["kl"], f" {floor['variant']}", fontsize=7)
         ax.set_ylabel("first-token KL to full prefill (nats)")
         ax.set_yscale("symlog", linthresh=1e-2)
         ax.grid(alpha=0.3)

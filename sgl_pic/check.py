@@ -15,6 +15,11 @@ the built-in prompts of ``check_prompts``:
    prefill is at most ``max_kl_ratio`` of full reuse's, and greedy agreement over
    ``new_tokens`` tokens is at least ``min_agreement``.
 
+Beside them it reports the model's precision floor: exact prefill of the same model in
+bfloat16 against float32 on the same prompts, the drift every GPU user already accepts,
+and the policy's drift as a multiple of it ("reuse drift = N x bf16 drift"). The floor is
+information for the operator: it takes no part in the verdict.
+
 It prints one line per check and a verdict, writes the report as JSON, and exits 1 when the
 model fails. ``python -m sgl_pic.launch_server --pic-check`` runs it before the server
 starts and refuses reuse for a model that fails (every request then runs as exact prefill).
@@ -27,15 +32,19 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from sgl_pic.config import FULL_BUDGET_FIELDS, PicConfig
-from sgl_pic.fidelity import first_token_kl, greedy_agreement
+from sgl_pic.fidelity import first_token_kl, greedy_agreement, oracle_in_dtype, top1_agrees
 from sgl_pic.layout import PromptLayout
+
+if TYPE_CHECKING:
+    from sgl_pic.oracle import Oracle
 
 # Far enough that a rotation error in any frequency band shows, within every model's range.
 ROTATION_SHIFT = 3000
@@ -77,6 +86,20 @@ class CheckResult:
 
 
 @dataclass(frozen=True)
+class PrecisionFloor:
+    """Exact prefill of the model in ``dtype`` against float32 on the check's prompts
+    (means over them), and the checked policy's and full reuse's first-token KL as
+    multiples of the floor's KL (0 when the floor's KL is 0)."""
+
+    dtype: str
+    kl: float
+    top1: float
+    agreement: float  # greedy agreement over the check's new_tokens
+    policy_kl_multiple: float
+    full_reuse_kl_multiple: float
+
+
+@dataclass(frozen=True)
 class CheckReport:
     model: str
     config: dict[str, Any]
@@ -85,6 +108,7 @@ class CheckReport:
     passed: bool
     prompts: int
     wall_s: float
+    floor: PrecisionFloor | None = None  # None when the model could not be checked
 
     @property
     def failures(self) -> str:
@@ -102,10 +126,11 @@ def run_check(
     config = config or PicConfig()
     limits = thresholds or CheckThresholds()
     started = time.perf_counter()
+    floor = None
     try:
-        checks, prompts = _checks(str(model_path), config, limits)
+        checks, prompts, floor = _checks(str(model_path), config, limits)
     except Exception as e:  # noqa: BLE001 - any model the oracle cannot run fails the gate
-        checks = (CheckResult("load", False, 0.0, 0.0, f"cannot check this model: {e!r}"),)
+        checks = [CheckResult("load", False, 0.0, 0.0, f"cannot check this model: {e!r}")]
         prompts = 0
     return CheckReport(
         model=str(model_path),
@@ -115,10 +140,13 @@ def run_check(
         passed=all(c.passed for c in checks),
         prompts=prompts,
         wall_s=time.perf_counter() - started,
+        floor=floor,
     )
 
 
-def _checks(path: str, config: PicConfig, limits: CheckThresholds) -> tuple[list[CheckResult], int]:
+def _checks(
+    path: str, config: PicConfig, limits: CheckThresholds
+) -> tuple[list[CheckResult], int, PrecisionFloor]:
     import transformers
 
     from sgl_pic.check_prompts import PASSAGES, PROMPTS, SYSTEM
@@ -140,6 +168,7 @@ def _checks(path: str, config: PicConfig, limits: CheckThresholds) -> tuple[list
         exact_configs.append(full_budget)
     reuse = config.with_overrides(policy="full_reuse")
     worst_exact, kls, reuse_kls, agreements = 0.0, [], [], []
+    ref_logits, ref_tokens = [], []  # exact float32's, for the precision floor
     for prompt in prompts:
         ids, layout = prompt.token_ids, prompt.layout
         full = oracle.prefill(ids)
@@ -157,6 +186,8 @@ def _checks(path: str, config: PicConfig, limits: CheckThresholds) -> tuple[list
         kls.append(first_token_kl(full.logits, ours.logits))
         reuse_kls.append(first_token_kl(full.logits, base.logits))
         agreements.append(greedy_agreement(tokens[0], tokens[1]))
+        ref_logits.append(full.logits)
+        ref_tokens.append(tokens[0])
     names = ", ".join(c.policy for c in exact_configs)
     out.append(
         CheckResult(
@@ -189,7 +220,54 @@ def _checks(path: str, config: PicConfig, limits: CheckThresholds) -> tuple[list
             f"{config.policy} greedy agreement over {limits.new_tokens} tokens {agreement:.2f}",
         )
     )
-    return out, len(prompts)
+    low = oracle_in_dtype(oracle, torch.bfloat16)
+    floor = measure_floor(low, [p.token_ids for p in prompts], ref_logits, ref_tokens)
+    return out, len(prompts), with_multiples(floor, kl, kl_reuse)
+
+
+class FloorMeasure(NamedTuple):
+    """Exact prefill in ``dtype`` against float32: means over the prompts."""
+
+    dtype: str
+    kl: float
+    top1: float
+    agreement: float
+
+
+def measure_floor(
+    low: Oracle,
+    prompts: Sequence[torch.Tensor],  # each [N] a prompt's token ids
+    ref_logits: Sequence[torch.Tensor],  # each [vocab] float32 exact prefill's first logits
+    ref_tokens: Sequence[torch.Tensor],  # each [new_tokens] exact's greedy tokens
+) -> FloorMeasure:
+    """Exact prefill of ``low`` (the model in a lower dtype, ``oracle_in_dtype``) on each
+    prompt against float32 exact prefill's first logits and greedy continuation: means of
+    first-token KL, top-1 and greedy agreement (``low`` decodes in its own dtype)."""
+    if not len(prompts) == len(ref_logits) == len(ref_tokens) > 0:
+        raise ValueError("need one reference per prompt, and at least one prompt")
+    kls, top1s, agreements = [], [], []
+    for ids, logits, tokens in zip(prompts, ref_logits, ref_tokens, strict=True):
+        test = low.prefill(ids)
+        kls.append(first_token_kl(logits, test.logits))
+        top1s.append(float(top1_agrees(logits, test.logits)))
+        agreements.append(
+            greedy_agreement(tokens, low.generate(test.kv, test.logits, tokens.numel()))
+        )
+    return FloorMeasure(
+        str(low.kv_dtype).removeprefix("torch."),
+        statistics.fmean(kls),
+        statistics.fmean(top1s),
+        statistics.fmean(agreements),
+    )
+
+
+def with_multiples(floor: FloorMeasure, policy_kl: float, full_reuse_kl: float) -> PrecisionFloor:
+    """The floor with the policy's and full reuse's first-token KL as multiples of it."""
+
+    def times(kl: float) -> float:
+        return kl / floor.kl if floor.kl > 0 else 0.0
+
+    return PrecisionFloor(*floor, times(policy_kl), times(full_reuse_kl))
 
 
 def _full_budget(config: PicConfig) -> PicConfig | None:
@@ -233,8 +311,20 @@ def print_report(report: CheckReport) -> None:
     for c in report.checks:
         mark = "PASS" if c.passed else "FAIL"
         print(f"  {mark} {c.name:<10} {c.detail} (threshold {c.threshold:g})")
+    if report.floor is not None:
+        f = report.floor
+        print(
+            f"  INFO floor      exact prefill in {f.dtype} vs float32: first-token KL "
+            f"{f.kl:.4f}, top-1 {f.top1:.2f}, greedy agreement {f.agreement:.2f}; "
+            f"reuse drift = {f.policy_kl_multiple:.1f}x {_short(f.dtype)} drift "
+            f"(full reuse {f.full_reuse_kl_multiple:.1f}x)"
+        )
     verdict = "PASS: reuse allowed" if report.passed else "FAIL: reuse refused"
     print(f"verdict: {verdict} ({report.wall_s:.1f} s)")
+
+
+def _short(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
 def write_report(report: CheckReport, path: Path) -> None:

@@ -2,21 +2,28 @@
 
 At 135M parameters task accuracy is near zero, so quality is measured as closeness to
 the exact full-prefill answer: first-token KL, top-1 and greedy agreement, KV deviation
-(DARIC Eq. 2). Answer F1 uses LongBench's normalisation.
+(DARIC Eq. 2); along the exact continuation, teacher-forced KL and top-1 per position
+(which do not compound as greedy agreement does), and ROUGE-L of greedy outputs. Answer
+F1 uses LongBench's normalisation. The precision floor is the same measures for exact
+prefill of the model in a lower dtype (``oracle_in_dtype``) against float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import re
+import statistics
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 import torch
 
 from sgl_pic.layout import Span
-from sgl_pic.oracle.forward import KVCache
-from sgl_pic.oracle.oracle import ChunkKV
+from sgl_pic.oracle.forward import KVCache, empty_kv, forward_tokens, logits_of
+from sgl_pic.oracle.oracle import ChunkKV, Oracle
 from sgl_pic.rope import rerotate
 
 
@@ -141,3 +148,115 @@ def recall_at(
     top_true = set(torch.topk(truth, k).indices.tolist())
     top_pred = set(torch.topk(predicted, k).indices.tolist())
     return len(top_true & top_pred) / k
+
+
+def bootstrap_ci(values: Sequence[float], seed: int = 0, n: int = 2000) -> list[float]:
+    """95% percentile bootstrap interval of the mean over examples, as [low, high]."""
+    if not values:
+        raise ValueError("a bootstrap interval needs at least one value")
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
+    return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
+
+
+def until_stop(
+    tokens: torch.Tensor,  # [n] a greedy continuation
+    stop_ids: Collection[int],
+    keep_stop: bool = False,
+) -> torch.Tensor:
+    """# [m <= n] the tokens before the first stop token (through it when ``keep_stop``):
+    a server ends the answer there, so what follows is no part of it."""
+    hits = [i for i, t in enumerate(tokens.tolist()) if t in stop_ids]
+    return tokens if not hits else tokens[: hits[0] + int(keep_stop)]
+
+
+def rouge_l(ref_tokens: Sequence[int], test_tokens: Sequence[int]) -> float:
+    """ROUGE-L F-measure (beta = 1) of two token sequences: with L their longest common
+    subsequence, 2 P R / (P + R) for P = L / len(test), R = L / len(ref). Two empty
+    sequences score 1, one empty sequence 0."""
+    ref, test = list(ref_tokens), list(test_tokens)
+    if not ref or not test:
+        return float(not ref and not test)
+    prev = [0] * (len(test) + 1)
+    for a in ref:
+        cur = [0] * (len(test) + 1)
+        for j, b in enumerate(test, 1):
+            cur[j] = prev[j - 1] + 1 if a == b else max(prev[j], cur[j - 1])
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(test), lcs / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    oracle: Oracle,
+    kv: KVCache,  # [num_layers, N, num_kv_heads, head_dim] a prompt's KV (not modified)
+    first_logits: torch.Tensor,  # [vocab] logits at the prompt's last position
+    tokens: torch.Tensor,  # [T] the continuation fed, e.g. exact prefill's greedy one
+) -> torch.Tensor:
+    """# [T, vocab] float32: row t is the next-token distribution (logits) before
+    ``tokens[t]``, with ``tokens[:t]`` fed after the prompt whatever this KV would have
+    generated. Row 0 is ``first_logits``; rows 1.. come from one extend of
+    ``tokens[:-1]`` over a copy of ``kv`` (causal, so equal to feeding them one by one)."""
+    t, n = tokens.numel(), kv.num_tokens
+    if t == 0:
+        raise ValueError("teacher forcing needs at least one token")
+    if t == 1:
+        return first_logits[None].to(torch.float32)
+    buf = empty_kv(oracle.w, n + t - 1, oracle.kv_dtype)
+    buf.k[:, :n] = kv.k
+    buf.v[:, :n] = kv.v
+    pos = torch.arange(n, n + t - 1)
+    out = forward_tokens(oracle.w, tokens[:-1], pos, pos, buf, torch.arange(n + t - 1))
+    return torch.cat([first_logits[None].to(torch.float32), logits_of(oracle.w, out.hidden)])
+
+
+class PositionFidelity(NamedTuple):
+    kl: float  # mean over positions of KL(P_ref || P_test), nats
+    top1: float  # fraction of positions whose argmax tokens agree
+    positions: int
+
+
+def position_fidelity(
+    ref_logits: torch.Tensor,  # [T, vocab] exact prefill's teacher-forced logits
+    test_logits: torch.Tensor,  # [T, vocab] the tested path's, along the same tokens
+) -> PositionFidelity:
+    """Teacher-forced fidelity: each position's ``first_token_kl`` and ``top1_agrees``,
+    averaged over the positions."""
+    if ref_logits.shape != test_logits.shape or ref_logits.dim() != 2:
+        raise ValueError(
+            f"need two equal [T, vocab] logits, got {ref_logits.shape}, {test_logits.shape}"
+        )
+    ref = torch.log_softmax(ref_logits.to(torch.float64), dim=-1)
+    test = torch.log_softmax(test_logits.to(torch.float64), dim=-1)
+    kl = (ref.exp() * (ref - test)).sum(-1).clamp_min(0.0)  # [T]
+    agree = ref_logits.argmax(-1) == test_logits.argmax(-1)  # [T]
+    return PositionFidelity(float(kl.mean()), float(agree.double().mean()), kl.numel())
+
+
+def oracle_in_dtype(oracle: Oracle, dtype: torch.dtype) -> Oracle:
+    """The same model with every weight and the KV in ``dtype`` (bfloat16 or float16:
+    what a GPU serves), as loading the float32 checkpoint in that dtype gives. RoPE
+    frequencies stay float32, as the model keeps them; ``oracle`` is not modified."""
+
+    def cast(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(dtype)
+
+    w = oracle.w
+    layers = tuple(
+        dataclasses.replace(
+            layer, **{f.name: cast(getattr(layer, f.name)) for f in dataclasses.fields(layer)}
+        )
+        for layer in w.layers
+    )
+    low = dataclasses.replace(
+        w,
+        embed=cast(w.embed),
+        layers=layers,
+        final_norm=cast(w.final_norm),
+        lm_head=cast(w.lm_head),
+    )
+    return Oracle(low, kv_dtype=dtype)

@@ -1,0 +1,96 @@
+"""bench/fidelity.py's command line, its independence from bench/diagnose.py, and its
+summary of the new figures (intervals, the bfloat16 floor's multiples)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
+def test_help_prints_and_exits_zero() -> None:
+    out = subprocess.run(
+        [sys.executable, "bench/fidelity.py", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--continuation-tokens" in out.stdout and "at 15%" in out.stdout
+
+
+def test_neither_benchmark_imports_the_other() -> None:
+    code = "import sys; sys.path.insert(0, 'bench'); import {0}; print({1!r} in sys.modules)"
+    both = [
+        _python(code.format(a, b)) for a, b in (("diagnose", "fidelity"), ("fidelity", "diagnose"))
+    ]
+    assert both == ["False", "False"]
+
+
+@pytest.fixture(scope="module")
+def bench_fidelity() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_fidelity", ROOT / "bench" / "fidelity.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(variant: str, policy: str, example: int, kl: float, tf_top1: float) -> dict:
+    return {
+        "example": example,
+        "variant": variant,
+        "policy": policy,
+        "recompute_fraction": 0.0,
+        "computed_fraction": 0.1,
+        "kl": kl,
+        "top1": 1.0,
+        "greedy_agreement": 0.5,
+        "kv_deviation": 0.2,
+        "f1": 0.0,
+        "tf_kl": 2 * kl,
+        "tf_top1": tf_top1,
+        "tf_positions": 10,
+        "rouge_l": 0.7,
+        "time_ratio": 0.5,
+        "selection_s": 0.0,
+        "selection_share": 0.0,
+    }
+
+
+def test_summary_has_intervals_and_floor_multiples(bench_fidelity: ModuleType) -> None:
+    reuse = bench_fidelity.Variant("full_reuse", "full_reuse", (), True)
+    floor = bench_fidelity.floor_variant("bfloat16")
+    rows = [_row("full_reuse", "full_reuse", e, 0.3 + 0.1 * e, 0.8) for e in range(4)]
+    rows += [_row(floor.label, floor.policy, e, 0.005, 0.98) for e in range(4)]
+    reuse_s, floor_s = bench_fidelity.summarize(rows, [reuse, floor])
+    assert reuse_s["kl"] == pytest.approx(0.45)
+    assert reuse_s["kl_over_bfloat16"] == pytest.approx(0.45 / 0.005)
+    assert reuse_s["tf_kl_over_bfloat16"] == pytest.approx(0.45 / 0.005)
+    assert floor_s["floor"] and not reuse_s["floor"] and floor_s["kl_over_bfloat16"] == 1.0
+    for key in ("kl", "top1", "greedy_agreement", "tf_kl", "tf_top1", "rouge_l"):
+        lo, hi = reuse_s[key + "_ci95"]
+        assert lo <= reuse_s[key] <= hi
+    assert reuse_s["kl_ci95"][0] < reuse_s["kl_ci95"][1]
+
+
+def test_summary_of_older_results_keeps_their_figures(bench_fidelity: ModuleType) -> None:
+    reuse = bench_fidelity.Variant("full_reuse", "full_reuse", (), True)
+    old = [_row("full_reuse", "full_reuse", e, 0.3, 0.8) for e in range(3)]
+    for r in old:
+        for k in ("tf_kl", "tf_top1", "tf_positions", "rouge_l"):
+            del r[k]
+    (s,) = bench_fidelity.summarize(old, [reuse])
+    assert s["kl"] == pytest.approx(0.3) and "tf_kl" not in s and "kl_over_bfloat16" not in s
+    assert s["floor"] is False
