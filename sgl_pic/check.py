@@ -120,15 +120,17 @@ def run_check(
     model_path: str | Path,
     config: PicConfig | None = None,
     thresholds: CheckThresholds | None = None,
+    floor: bool = True,
 ) -> CheckReport:
     """Runs every check on ``model_path`` (a Hugging Face model directory). A model the
-    oracle cannot load fails with that reason instead of raising."""
+    oracle cannot load fails with that reason instead of raising. ``floor``: also measure
+    the bfloat16 precision floor (reported beside the figures, no part of the verdict)."""
     config = config or PicConfig()
     limits = thresholds or CheckThresholds()
     started = time.perf_counter()
-    floor = None
+    measured = None
     try:
-        checks, prompts, floor = _checks(str(model_path), config, limits)
+        checks, prompts, measured = _checks(str(model_path), config, limits, floor)
     except Exception as e:  # noqa: BLE001 - any model the oracle cannot run fails the gate
         checks = [CheckResult("load", False, 0.0, 0.0, f"cannot check this model: {e!r}")]
         prompts = 0
@@ -140,13 +142,13 @@ def run_check(
         passed=all(c.passed for c in checks),
         prompts=prompts,
         wall_s=time.perf_counter() - started,
-        floor=floor,
+        floor=measured,
     )
 
 
 def _checks(
-    path: str, config: PicConfig, limits: CheckThresholds
-) -> tuple[list[CheckResult], int, PrecisionFloor]:
+    path: str, config: PicConfig, limits: CheckThresholds, floor: bool = True
+) -> tuple[list[CheckResult], int, PrecisionFloor | None]:
     import transformers
 
     from sgl_pic.check_prompts import PASSAGES, PROMPTS, SYSTEM
@@ -220,9 +222,11 @@ def _checks(
             f"{config.policy} greedy agreement over {limits.new_tokens} tokens {agreement:.2f}",
         )
     )
+    if not floor:
+        return out, len(prompts), None
     low = oracle_in_dtype(oracle, torch.bfloat16)
-    floor = measure_floor(low, [p.token_ids for p in prompts], ref_logits, ref_tokens)
-    return out, len(prompts), with_multiples(floor, kl, kl_reuse)
+    measured = measure_floor(low, [p.token_ids for p in prompts], ref_logits, ref_tokens)
+    return out, len(prompts), with_multiples(measured, kl, kl_reuse)
 
 
 class FloorMeasure(NamedTuple):
