@@ -193,9 +193,9 @@ CONFIG = PicConfig(min_chunk_tokens=2, max_chunks=3)
 IDS = list(range(10, 30))
 
 
-@pytest.fixture(scope="module")
-def metrics() -> PicMetrics:
-    return PicMetrics()
+@pytest.fixture
+def metrics(pic_metrics: PicMetrics) -> PicMetrics:
+    return pic_metrics  # one registration per process: Prometheus names are global
 
 
 def req(custom: dict[str, Any], extra: str | None = None, salt: str | None = None) -> Any:
