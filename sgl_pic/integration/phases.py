@@ -124,12 +124,13 @@ def build_phase_batch(
     # ``torch.tensor(..., device=)`` would be a blocking copy from pageable memory).
     # Positions first: the one long field starts the buffer, aligned.
     starts = [0, *accumulate(ext)][: len(subs)]
-    meta = torch.tensor(pool_idx + seq + prefix + ext + starts, dtype=torch.int64)
+    fields = pool_idx + seq + prefix + ext + starts
+    meta = torch.tensor(fields, dtype=torch.int64)  # host: sent in one copy
     n = len(subs)
     ext_h, starts_h = meta[3 * n : 4 * n], meta[4 * n :]
     # Batch row t of sub-request j is its token t - start_j: position prefix_j + t - start_j.
     shift = torch.repeat_interleave(meta[2 * n : 3 * n] - starts_h, ext_h)
-    pos = torch.arange(sum(ext), dtype=torch.int64) + shift
+    pos = torch.arange(sum(ext), dtype=torch.int64) + shift  # host: sent with meta
     on_dev = to_device(torch.cat([pos, meta]), device).split([pos.numel(), n, n, n, n, n])
     pos_d, rows_d, seq_d, prefix_d, ext_d, start_d = on_dev
     seq_dtype = live.seq_lens.dtype
