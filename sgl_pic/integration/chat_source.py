@@ -14,11 +14,14 @@ Called on the HTTP server's side; the tokenizer is loaded on first use.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
+
+logger = logging.getLogger(__name__)
 
 
 class ServingFlags(NamedTuple):
@@ -66,9 +69,13 @@ class ChatSource:
         ``tokenizer()`` holds it); else why chunked chat requests cannot be rendered as it
         renders them here."""
         if self._refusal is None:
-            self._refusal = (
-                self._launch_refusal() or self._model_refusal() or self._tokenizer_refusal()
-            )
+            try:
+                self._refusal = (
+                    self._launch_refusal() or self._model_refusal() or self._tokenizer_refusal()
+                )
+            except Exception as e:  # noqa: BLE001 - unknown means not provably SGLang's prompt
+                logger.exception("sgl_pic: cannot tell how SGLang renders chat requests")
+                self._refusal = f"how SGLang renders chat requests could not be read ({e!r})"
         return self._refusal
 
     def _jinja_text(self) -> str | None:

@@ -112,3 +112,10 @@ def test_a_refused_template_gets_a_400_for_marks_and_no_auto_chunks() -> None:
     plain = [{k: v for k, v in m.items() if k != "pic_chunk"} for m in MSGS]
     assert translator("SGLang renders this model with X").chat({"messages": plain}) is None
     assert translator("").chat({"messages": [dict(m) for m in MSGS]}) is not None
+
+
+def test_a_source_it_cannot_read_refuses_rather_than_guess() -> None:
+    def broken() -> FakeTokenizer:
+        raise OSError("no tokenizer here")
+
+    assert "could not be read" in ChatSource(None, "/models/llama-like", broken).refusal()
