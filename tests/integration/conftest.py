@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def pic_metrics():  # noqa: ANN201 - PicMetrics, imported lazily (it needs prometheus_client)
+def metrics():  # noqa: ANN201 - PicMetrics, imported lazily (it needs prometheus_client)
     """The one PicMetrics of the test process: Prometheus names are global, so a second
     registration in the same process fails. Tests read deltas of it."""
     from sgl_pic.integration.metrics import PicMetrics

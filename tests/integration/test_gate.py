@@ -24,11 +24,6 @@ CONFIG = PicConfig(min_chunk_tokens=2, max_chunks=3)
 IDS = list(range(10, 30))
 
 
-@pytest.fixture
-def metrics(pic_metrics: PicMetrics) -> PicMetrics:
-    return pic_metrics  # one registration per process: Prometheus names are global
-
-
 def gate(metrics: PicMetrics, signer: MarkSigner | None = SIGNER) -> AdmissionGate:
     return AdmissionGate(CONFIG, signer, VOCAB, metrics)
 

@@ -193,11 +193,6 @@ CONFIG = PicConfig(min_chunk_tokens=2, max_chunks=3)
 IDS = list(range(10, 30))
 
 
-@pytest.fixture
-def metrics(pic_metrics: PicMetrics) -> PicMetrics:
-    return pic_metrics  # one registration per process: Prometheus names are global
-
-
 def req(custom: dict[str, Any], extra: str | None = None, salt: str | None = None) -> Any:
     """A stand-in for SGLang's ``Req``: its extra_key and cache_salt as the scheduler's
     ``Req.__init__`` leaves them (an empty salt is None there)."""
