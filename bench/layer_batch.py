@@ -28,7 +28,7 @@ import torch
 from torch.nn.functional import linear, silu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, git_state  # noqa: E402
+from _common import add_out_option, git_state  # noqa: E402
 
 SIZES = (8, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -54,7 +54,7 @@ def dense_layer(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "layer_batch.json"))
+    add_out_option(ap, "layer_batch.json")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
 

@@ -28,8 +28,7 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _server import ROOT, git_state  # noqa: E402
+from _common import add_out_option, git_state  # noqa: E402
 
 from sgl_pic.worker_threads import confine_torch_threads  # noqa: E402
 
@@ -98,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "openmp_teams.json"))
+    add_out_option(ap, "openmp_teams.json")
     args = ap.parse_args()
     commit, dirty = git_state()
     decode_loop(300)  # the main thread's own team exists before anything is timed

@@ -20,7 +20,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import RESULTS
+
 ORACLE = "oracle_selection"
 
 

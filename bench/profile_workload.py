@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, delta, git_state, launch, metric  # noqa: E402
+from _common import DEFAULT_DATA, RESULTS, git_state  # noqa: E402
+from _server import delta, launch, metric  # noqa: E402
 from workload_streams import WORKLOADS, Request, Streams, server_warmup  # noqa: E402
 from workloads import (  # noqa: E402
-    DATA,
     MAX_NEW_TOKENS,
     PASSAGE_TOKENS,
     SERVER_ARGS,
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--raw-dir", default=None, help="keep py-spy's raw stacks here")
     args = ap.parse_args()
     commit, dirty = git_state()
-    src = Streams(DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
+    src = Streams(DEFAULT_DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
     sessions = WORKLOADS[args.workload](src, args.requests, args.seed)
     warmup = server_warmup(src, args.concurrency)
     report: dict[str, Any] = {"git_commit": commit, "git_dirty": dirty, "args": vars(args)}
@@ -206,7 +206,7 @@ def main() -> None:
     for config in ("prefix_caching", "sgl_pic"):
         kpq = {k: round(v, 1) for k, v in report[config]["keys_per_query"].items()}
         print(config, "keys per query", kpq, flush=True)
-    out = Path(args.out or ROOT / "bench" / "results" / f"profile_{args.workload}.json")
+    out = Path(args.out or RESULTS / f"profile_{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")

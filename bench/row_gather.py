@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, git_state  # noqa: E402
+from _common import add_out_option, git_state  # noqa: E402
 
 KV_HEADS, HEAD_DIM = 3, 64
 
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=20000)
     ap.add_argument("--rows", default="300,1000,1500")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "row_gather.json"))
+    add_out_option(ap, "row_gather.json")
     args = ap.parse_args()
     commit, dirty = git_state()
     g = torch.Generator().manual_seed(0)

@@ -39,7 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _server import Client, delta, git_state, launch, metric  # noqa: E402
+from _common import git_state  # noqa: E402
+from _server import Client, delta, launch, metric  # noqa: E402
 
 DOCS = (
     "Lyon sits where the Rhone meets the Saone; its old town is a UNESCO site. Silk "
