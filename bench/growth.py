@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     add_data_option,
     add_out_option,
     add_server_args_option,
     embedded_tokenizer,
     git_state,
+    write_json,  # noqa: E402
 )
 from _server import Client, delta, fresh_header, launch, metric  # noqa: E402
 
@@ -161,9 +162,7 @@ def main() -> None:
     }
     report["device_hits_ok"] = all(r["device_hits_ok"] for r in by_length + by_count)
     print(json.dumps(report["exponents"], indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     _plot(report, names, out.with_suffix(".png"))
     print(f"wrote {out}")
 

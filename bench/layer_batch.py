@@ -28,7 +28,7 @@ import torch
 from torch.nn.functional import linear, silu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_out_option, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
 
 SIZES = (8, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -94,7 +94,7 @@ def main() -> int:
     }
     for name, r in results.items():
         print(name, "us/token:", r["us_per_token"], "ratio to 1024:", r["ratio_to_1024"])
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2, newline=True)
     print(f"wrote {args.out}")
     return 0
 

@@ -16,7 +16,6 @@ alone.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -28,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_out_option, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
 
 from sgl_pic.worker_threads import confine_torch_threads  # noqa: E402
 
@@ -125,7 +124,7 @@ def main() -> None:
     for c in CONDITIONS[1:]:
         print(f"{c}: {ratios[c]:.2f}x the loop alone")
     print(f"context switches per loop (median): {switches}")
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, newline=True)
     print(f"wrote {args.out}")
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DATA, RESULTS, git_state  # noqa: E402
+from _common import DEFAULT_DATA, RESULTS, git_state, write_json  # noqa: E402
 from _server import delta, launch, metric  # noqa: E402
 from workload_streams import WORKLOADS, Request, Streams, server_warmup  # noqa: E402
 from workloads import (  # noqa: E402
@@ -206,9 +206,7 @@ def main() -> None:
     for config in ("prefix_caching", "sgl_pic"):
         kpq = {k: round(v, 1) for k, v in report[config]["keys_per_query"].items()}
         print(config, "keys per query", kpq, flush=True)
-    out = Path(args.out or RESULTS / f"profile_{args.workload}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out or RESULTS / f"profile_{args.workload}.json", report)
     print(f"wrote {out}")
 
 

@@ -36,7 +36,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DATA, add_out_option, git_state  # noqa: E402
+from _common import DEFAULT_DATA, add_out_option, git_state, write_json  # noqa: E402
 from _server import launch  # noqa: E402
 from workload_streams import WORKLOADS, Streams, server_warmup  # noqa: E402
 from workloads import (  # noqa: E402
@@ -199,9 +199,7 @@ def main() -> None:
         "records": rows,
     }
     print(json.dumps(report["summary"], indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     print(f"wrote {out}")
 
 

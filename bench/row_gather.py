@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_out_option, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
 
 KV_HEADS, HEAD_DIM = 3, 64
 
@@ -78,8 +78,6 @@ def main() -> None:
             ),
         }
         print(n, json.dumps({k: round(v, 3) for k, v in summary[str(n)].items()}), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "git_commit": commit,
         "git_dirty": dirty,
@@ -88,7 +86,7 @@ def main() -> None:
         "summary": summary,
         "rounds": rounds,
     }
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     print(f"wrote {out}")
 
 

@@ -45,12 +45,13 @@ from typing import Any, NamedTuple
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     add_data_option,
     add_out_option,
     add_server_args_option,
     embedded_tokenizer,
     git_state,
+    write_json,  # noqa: E402
 )
 from _server import Client, delta, launch, metric  # noqa: E402
 
@@ -404,8 +405,7 @@ def main() -> None:
                 )
     report["summary"] = summary(results)
     print(json.dumps(report["summary"], indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -42,6 +42,7 @@ from _common import (
     add_server_args_option,
     embedded_tokenizer,
     git_state,
+    write_json,
 )
 from _server import Client, delta, fresh_header, launch, metric, shifted
 
@@ -231,8 +232,7 @@ def main() -> None:
         report["recomputed_fraction"][p] = (
             m.get("sgl_pic_recomputed_tokens_total", 0.0) / new if new else None
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2, newline=True)
     print(json.dumps(report, indent=2))
     _plot(report, Path(args.out).with_suffix(".png"))
     if not check["ok"]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
 
-from _common import add_out_option, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
 
 from tests.integration.chat_templates import EMBEDDED, FAMILIES, boundary_counts  # noqa: E402
 
@@ -42,9 +42,7 @@ def main() -> None:
             n: boundary_counts(n, args.requests, args.seed) for n in [*FAMILIES, EMBEDDED]
         },
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     print(json.dumps(report, indent=1))
 
 

@@ -109,7 +109,7 @@ from typing import Any
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_data_option, add_out_option, git_state  # noqa: E402
+from _common import add_data_option, add_out_option, git_state, write_json  # noqa: E402
 from _server import Client, delta, launch, metric  # noqa: E402
 from workload_streams import (  # noqa: E402
     TEMPLATED_WORKLOADS,
@@ -800,9 +800,7 @@ def main() -> None:
             runs["sgl_pic_lru"] = run_one(args, name, sessions, "sgl_pic_lru", warmup)
         report["workloads"][name] = {"runs": runs, "compare": compare(runs, args.warmup)}
         print(json.dumps({name: report["workloads"][name]["compare"]}, indent=1), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
