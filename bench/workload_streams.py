@@ -32,8 +32,6 @@ from typing import Any, NamedTuple
 
 from _common import ROOT, embedded_tokenizer
 
-from sgl_pic.prompts import load_rag_examples, truncate_tokens
-
 DELIM = "<|pic_chunk|>"
 # The chat template the servers of these workloads carry: one of the tests' fixtures.
 TOOL_TEMPLATE = ROOT / "tests" / "integration" / "templates" / "qwen25.jinja"
@@ -57,6 +55,9 @@ class Streams:
     questions with answers."""
 
     def __init__(self, data: Path, passage_tokens: int, max_new_tokens: int) -> None:
+        # Here, not at the top: sgl_pic.prompts imports torch, and the scripts built on
+        # these streams answer --help without it.
+        from sgl_pic.prompts import load_rag_examples, truncate_tokens
 
         self.tok = embedded_tokenizer()
         examples = load_rag_examples(data)
