@@ -15,7 +15,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from sgl_pic.oracle import Oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -36,6 +39,26 @@ def embedded_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(embedded_path()))
+
+
+class OracleModel(NamedTuple):
+    """A model as the oracle studies (fidelity, diagnose, drift_estimate) use it."""
+
+    path: Path  # its Hugging Face directory
+    tokenizer: Any  # its Hugging Face tokenizer
+    oracle: Oracle  # the reference forward over its weights
+
+
+def load_oracle_model(model: Path | None) -> OracleModel:
+    """``--model`` (None: the embedded model) loaded for the oracle studies; imports torch
+    and transformers, so scripts call it after parsing their arguments."""
+    import transformers
+
+    from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf
+
+    path = model or embedded_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return OracleModel(path, tokenizer, Oracle(weights_from_hf(load_hf_model(path))))
 
 
 def git(*args: str) -> str | None:

@@ -39,9 +39,9 @@ from _common import (  # noqa: E402
     add_data_option,
     add_model_option,
     add_out_option,
-    embedded_path,
     git,
     git_state,
+    load_oracle_model,
     write_json,
 )
 
@@ -55,7 +55,7 @@ from sgl_pic.fidelity import (  # noqa: E402
     top1_agrees,
 )
 from sgl_pic.layout import PromptLayout  # noqa: E402
-from sgl_pic.oracle import KVCache, Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.oracle import KVCache, Oracle  # noqa: E402
 from sgl_pic.oracle.forward import logits_of, mlp, project_qkv, rms_norm  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.rope import apply_rope  # noqa: E402
@@ -706,15 +706,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.examples < 1 or args.passages < 1:
         p.error("--examples and --passages must be >= 1")
 
-    import transformers
-
     started = time.perf_counter()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     git_info = git_report()
-    model_path = args.model or embedded_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
+    model_path, tokenizer, oracle = load_oracle_model(args.model)
     examples = load_rag_examples(args.data)[: args.examples]
     per_example = []
     for i, ex in enumerate(tqdm(examples, desc="diagnose", unit="example")):

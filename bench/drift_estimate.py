@@ -41,15 +41,15 @@ from _common import (  # noqa: E402
     add_data_option,
     add_model_option,
     add_out_option,
-    embedded_path,
     git_state,
+    load_oracle_model,
     write_json,
 )
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import first_token_kl  # noqa: E402
 from sgl_pic.layout import PromptLayout  # noqa: E402
-from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.oracle import Oracle  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.selection import SelectionContext, finalize, make_policy  # noqa: E402
 from sgl_pic.selection.cacheblend import reused_candidates  # noqa: E402
@@ -199,13 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 < r <= 1 for r in args.ratios):
         p.error("--ratios must be in (0, 1]")
 
-    import transformers
-
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
-    model_path = args.model or embedded_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
+    model_path, tokenizer, oracle = load_oracle_model(args.model)
     examples = load_rag_examples(args.data)[: args.examples]
     rows = []
     for i, ex in enumerate(tqdm(examples, desc="drift estimate", unit="example")):

@@ -35,8 +35,8 @@ from _common import (  # noqa: E402
     add_data_option,
     add_model_option,
     add_out_option,
-    embedded_path,
     git_state,
+    load_oracle_model,
     write_json,
 )
 
@@ -56,7 +56,7 @@ from sgl_pic.fidelity import (  # noqa: E402
     top1_agrees,
     until_stop,
 )
-from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.oracle import Oracle  # noqa: E402
 from sgl_pic.oracle.forward import KVCache  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.selection import (  # noqa: E402
@@ -204,15 +204,11 @@ def stop_ids(tokenizer: Any) -> frozenset[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import transformers
-
     started, cpu_started = time.perf_counter(), time.process_time()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model_path = args.model or embedded_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    model_path, tokenizer, oracle = load_oracle_model(args.model)
     stops = stop_ids(tokenizer)
-    oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
     floors = {name: oracle_in_dtype(oracle, FLOOR_DTYPES[name]) for name in args.floors}
     examples = load_rag_examples(args.data)[args.first : args.first + args.examples]
     base = PicConfig()
