@@ -42,13 +42,15 @@ TREES = ("sgl_pic", "bench")
 ALLOWED: dict[frozenset[str], str] = {
     # model_hooks.graph_guarded imports plugin._prefill_graph_hook (to recognise it on a
     # runner's can_run_graph) while plugin.build_tree_cache imports model_hooks: both
-    # function-local. Remove by handing the hook in rather than importing it:
+    # function-local. Removed by handing the hook in rather than importing it:
     #   model_hooks.py: `def graph_guarded(graph_runner: Any, hook: Callable[..., Any])`
-    #     compares against `hook` (no import); `check_support(ctx, prefill_graph_guarded)`
-    #     defaults to "not guarded" (`lambda _runner: False`) instead of `graph_guarded`;
+    #     compares against `hook` (its `from sgl_pic.integration.plugin import` goes);
+    #     check_support's `prefill_graph_guarded` defaults to `lambda _runner: False` ("no
+    #     runner is guarded") instead of `graph_guarded`;
     #   plugin.py build_tree_cache: `check_support(ctx, functools.partial(graph_guarded,
     #     hook=_prefill_graph_hook))`;
-    #   tests/integration/test_model_hooks.py and cuda_args.py pass the guard they mean.
+    #   tests/integration/cuda_args.py (check_support(ctx) after plugin.register()) and
+    #   test_plugin_hooks.py (graph_guarded(runner)) pass the same hook.
     frozenset(
         {"sgl_pic.integration.model_hooks", "sgl_pic.integration.plugin"}
     ): "model_hooks.graph_guarded should take the hook instead of importing plugin",
@@ -217,8 +219,8 @@ def shortest_cycle(start: str, members: set[str], succ: dict[str, list[str]]) ->
 
 
 def cycles() -> dict[frozenset[str], str]:
-    """Each import cycle, as its component, with a description naming a loop through it
-    and the import statements that make each step."""
+    """Each import cycle, as its component, with a description naming loops through all
+    of its modules and the import statements that make each step."""
     edges = import_edges()
     succ: dict[str, list[str]] = {}
     by_pair: dict[tuple[str, str], list[Edge]] = {}
@@ -228,14 +230,23 @@ def cycles() -> dict[frozenset[str], str]:
         by_pair.setdefault((e.source, e.target), []).append(e)
     out: dict[frozenset[str], str] = {}
     for comp in strongly_connected(sorted(module_names()), succ):
-        loop = shortest_cycle(comp[0], set(comp), succ)
-        steps = [
-            f"  {a} -> {b}  ("
-            + ", ".join(sorted({f"{e.where} {e.kind}" for e in by_pair[(a, b)]}))
-            + ")"
-            for a, b in zip(loop, loop[1:], strict=False)
-        ]
-        out[frozenset(comp)] = f"cycle among {', '.join(comp)}:\n" + "\n".join(steps)
+        # Loops until every module of the component is on one, shortest first from each.
+        covered: set[str] = set()
+        loops: list[str] = []
+        for start in comp:
+            if start in covered:
+                continue
+            loop = shortest_cycle(start, set(comp), succ)
+            covered.update(loop)
+            loops.append(
+                "\n".join(
+                    f"  {a} -> {b}  ("
+                    + ", ".join(sorted({f"{e.where} {e.kind}" for e in by_pair[(a, b)]}))
+                    + ")"
+                    for a, b in zip(loop, loop[1:], strict=False)
+                )
+            )
+        out[frozenset(comp)] = f"cycle among {', '.join(comp)}:\n" + "\n  --\n".join(loops)
     return out
 
 
@@ -261,3 +272,9 @@ def test_no_import_cycles() -> None:
     gone = [sorted(comp) for comp in ALLOWED if comp not in found]
     assert not unexpected, "import cycles:\n" + "\n".join(unexpected)
     assert not gone, f"allowed cycles no longer exist, remove them from ALLOWED: {gone}"
+
+
+def test_components_and_loops_of_a_small_graph() -> None:
+    succ = {"a": ["b"], "b": ["a", "c"], "c": ["d"], "d": ["c", "e"], "e": []}
+    assert strongly_connected(["a", "b", "c", "d", "e"], succ) == [["c", "d"], ["a", "b"]]
+    assert shortest_cycle("b", {"a", "b"}, succ) == ["b", "a", "b"]
