@@ -24,13 +24,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_out_option, git_state, write_json  # noqa: E402
 
-from sgl_pic.worker_threads import confine_torch_threads  # noqa: E402
-
+# torch is imported where it is used, after the arguments are parsed: --help answers at once.
 CONDITIONS = ("alone", "beside_unconfined", "beside_confined")
 
 
@@ -51,6 +48,8 @@ def context_switches() -> int:
 
 def decode_loop(steps: int) -> LoopTime:
     """The seconds and context switches of ``steps`` rounds of decode-sized ops."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 576, generator=g)  # [tokens, hidden]
     w = torch.randn(576, 1536, generator=g)  # [hidden, intermediate]
@@ -65,6 +64,10 @@ def decode_loop(steps: int) -> LoopTime:
 
 def idle_thread(confined: bool) -> IdleThread:
     """A started thread that ran one parallel-sized op and now waits for its event."""
+    import torch
+
+    from sgl_pic.worker_threads import confine_torch_threads
+
     release, ready = threading.Event(), threading.Event()
 
     def run() -> None:
@@ -98,6 +101,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3000)
     add_out_option(ap, "openmp_teams.json")
     args = ap.parse_args()
+    import torch
+
     commit, dirty = git_state()
     decode_loop(300)  # the main thread's own team exists before anything is timed
     rounds = []

@@ -57,8 +57,6 @@ from workloads import (  # noqa: E402
     warm_up,
 )
 
-from sgl_pic.integration.phases import SubRequest, attended_keys  # noqa: E402
-
 RATE = 50  # samples per second
 
 # (bucket, frame names any of which marks it), first match wins, within an extend forward.
@@ -124,7 +122,10 @@ def profile(
         spy.wait(timeout=300)
     computed = res["prompt_tokens"] - res["prefix_cached_tokens"]
     if form != "pic":
-        # SGLang's extend: each request's tokens past its cached prefix.
+        # SGLang's extend: each request's tokens past its cached prefix. (Imported here:
+        # the module imports torch, and --help answers without it.)
+        from sgl_pic.integration.phases import SubRequest, attended_keys
+
         subs = [SubRequest(0, r["cached"], r["prompt"] - r["cached"]) for r in res["records"]]
         keys_per_query = {"extend": attended_keys(subs) / max(computed, 1)}
     else:

@@ -17,11 +17,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_out_option, git_state, write_json  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used, after the arguments are parsed: --help answers at once.
 
 KV_HEADS, HEAD_DIM = 3, 64
 
@@ -50,6 +53,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     add_out_option(ap, "row_gather.json")
     args = ap.parse_args()
+    import torch
+
     commit, dirty = git_state()
     g = torch.Generator().manual_seed(0)
     buffers = [
