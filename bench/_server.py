@@ -11,7 +11,6 @@ import os
 import re
 import secrets
 import signal
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from _common import ROOT, server_env
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the package, when it is not installed
-    sys.path.insert(0, str(ROOT))
 STARTUP_TIMEOUT_S = 900.0
 _PREFILL = re.compile(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)")
 _PHASES = re.compile(r"assemble\+phase 1 ([0-9.]+) s, select\+phase 2 ([0-9.]+) s")
@@ -151,35 +148,26 @@ def launch(
     args: Sequence[str],
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     env_extra: Mapping[str, str] | None = None,
+    root: Path = ROOT,
+    log_prefix: str = "sgl_pic_bench_server_",
+    quiet: bool = False,
 ) -> Iterator[Client]:
     """A healthy server with ``args`` (sgl_pic and SGLang flags), killed on exit with its
-    whole process group. Its log is a temporary file, kept (its path is printed).
-    ``env_extra``: variables added to its environment (e.g. OMP_NUM_THREADS)."""
+    whole process group. Its log is a temporary file, kept (its path is printed unless
+    ``quiet``). ``env_extra``: variables added to its environment (e.g. OMP_NUM_THREADS);
+    ``root``: the checkout whose code it runs (another commit's worktree, say)."""
     from sgl_pic.server_process import server_process
 
-    env = {**os.environ, **(env_extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = server_env(root, dict(env_extra or {}))
     t0 = time.monotonic()
-    print(f"launching: sgl_pic.launch_server {' '.join(args)}", flush=True)
+    if not quiet:
+        print(f"launching: sgl_pic.launch_server {' '.join(args)}", flush=True)
     with server_process(
-        args, startup_timeout_s, env=env, cwd=str(ROOT), log_prefix="sgl_pic_bench_server_"
+        args, startup_timeout_s, env=env, cwd=str(root), log_prefix=log_prefix
     ) as proc:
-        print(f"  log: {proc.log_path}\n  healthy after {time.monotonic() - t0:.0f} s", flush=True)
+        if not quiet:
+            print(
+                f"  log: {proc.log_path}\n  healthy after {time.monotonic() - t0:.0f} s",
+                flush=True,
+            )
         yield Client(proc.url, proc.log_path, proc.pid)
-
-
-def git_state() -> tuple[str | None, bool | None]:
-    """(HEAD's commit, whether the tree has uncommitted changes) of this checkout; Nones
-    outside a git checkout. Results record both: a figure belongs to the commit it ran at."""
-    import subprocess
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    status = git("status", "--porcelain")
-    return git("rev-parse", "HEAD"), None if status is None else bool(status)

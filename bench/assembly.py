@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
 
 from sgl_pic.integration.kv_access import KVAccess  # noqa: E402
 from sgl_pic.integration.model_rope import ModelRope  # noqa: E402
@@ -97,7 +97,7 @@ def copy(kv: KVAccess, batch: list[tuple[torch.Tensor, torch.Tensor, int]]) -> N
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "assembly.json"))
+    add_out_option(ap, "assembly.json")
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
 
@@ -158,7 +158,7 @@ def main() -> int:
         "summary": summary,
         "rounds_ms": rows,
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2, newline=True)
     print(f"wrote {args.out}")
     return 0
 

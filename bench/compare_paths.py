@@ -17,50 +17,48 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from _server import Client, shifted
+from _common import (
+    DEFAULT_DATA,
+    ROOT,
+    add_out_option,
+    add_server_args_option,
+    embedded_tokenizer,
+    git,
+    git_state,
+    write_json,
+)
+from _server import Client, launch, shifted
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 POLICIES = ("full_recompute", "daric", "epic", "cachetune", "cacheblend", "full_reuse")
 TOP = 20
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 @contextmanager
-def serve(tree: Path, args: list[str]) -> Any:
-    import os
-
-    from sgl_pic.server_process import server_process
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+def serve(tree: Path, args: list[str]) -> Iterator[Client]:
+    """A server running the code of the checkout at ``tree``, on a fresh disk tier."""
     with (
         tempfile.TemporaryDirectory(prefix="sgl_pic_cmp_") as disk,
-        server_process(
+        launch(
             [*args, "--pic-disk-cache-dir", disk],
             420.0,
-            env=env,
-            cwd=str(tree),
+            root=tree,
             log_prefix="sgl_pic_cmp_server_",
-        ) as proc,
+            quiet=True,
+        ) as client,
     ):
-        yield Client(proc.url, proc.log_path)
+        yield client
 
 
 def requests_for(tok: Any, examples: int, passages: int, passage_tokens: int) -> list[dict]:
     from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens
 
     out = []
-    pool = [ex for ex in load_rag_examples(DATA) if len(ex.passages) >= passages][:examples]
+    pool = [ex for ex in load_rag_examples(DEFAULT_DATA) if len(ex.passages) >= passages][:examples]
     for i, ex in enumerate(pool):
         texts = [truncate_tokens(tok, p, passage_tokens) for p in ex.passages[:passages]]
         for order in (texts, texts[::-1]):
@@ -102,17 +100,15 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=3)
     ap.add_argument("--passages", type=int, default=4)
     ap.add_argument("--passage-tokens", type=int, default=200)
-    ap.add_argument("--server-args", default="")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compare_paths.json"))
+    add_server_args_option(ap)
+    add_out_option(ap, "compare_paths.json")
     args = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    from sgl_pic.model.embedded import ensure_embedded_model
-
-    tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model().path))
+    tok = embedded_tokenizer()
     reqs = requests_for(tok, args.examples, args.passages, args.passage_tokens)
     server_args = args.server_args.split()
-    old_commit = _git("rev-parse", args.old_ref)
+    old_commit = git("rev-parse", args.old_ref)
+    if old_commit is None:
+        sys.exit(f"--old-ref {args.old_ref!r} names no commit of this checkout")
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="sgl_pic_old_tree_") as old_tree:
         archive = subprocess.run(
@@ -137,9 +133,10 @@ def main() -> None:
             }
         )
     worst = max(r["top_logprob_max_abs_diff"] for r in records)
+    state = git_state()
     report = {
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain")),
+        "git_commit": state.commit,
+        "git_dirty": state.dirty,
         "old_commit": old_commit,
         "requests": len(records),
         "tokens_equal": sum(r["tokens_equal"] for r in records),
@@ -147,7 +144,7 @@ def main() -> None:
         "within_1e-4": sum(r["top_logprob_max_abs_diff"] <= 1e-4 for r in records),
         "records": records,
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2, newline=True)
     print(json.dumps({k: v for k, v in report.items() if k != "records"}, indent=2))
     if report["tokens_equal"] != len(records) or worst > 1e-4:
         sys.exit("outputs differ between the two trees beyond 1e-4")

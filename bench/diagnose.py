@@ -23,7 +23,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,11 +33,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
 
-from _common import DEFAULT_DATA, embedded_path  # noqa: E402
+from _common import (  # noqa: E402
+    add_data_option,
+    add_model_option,
+    add_out_option,
+    git,
+    git_state,
+    load_oracle_model,
+    write_json,
+)
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
@@ -50,7 +55,7 @@ from sgl_pic.fidelity import (  # noqa: E402
     top1_agrees,
 )
 from sgl_pic.layout import PromptLayout  # noqa: E402
-from sgl_pic.oracle import KVCache, Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.oracle import KVCache, Oracle  # noqa: E402
 from sgl_pic.oracle.forward import logits_of, mlp, project_qkv, rms_norm  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.rope import apply_rope  # noqa: E402
@@ -648,18 +653,15 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
 # -- main ------------------------------------------------------------------------------
 
 
-def git_state() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    status = git("status", "--porcelain").splitlines()
-    tracked = [line for line in status if not line.startswith("??")]
+def git_report() -> dict[str, Any]:
+    """The commit and tracked-file changes the run describes, with the changed and the
+    untracked files named."""
+    status = (git("status", "--porcelain") or "").splitlines()
+    commit, dirty = git_state(untracked=False)
     return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(tracked),
-        "modified_tracked": tracked,
+        "commit": commit,
+        "dirty": dirty,
+        "modified_tracked": [line for line in status if not line.startswith("??")],
         "untracked": [line[3:] for line in status if line.startswith("??")],
     }
 
@@ -692,27 +694,23 @@ def print_summary(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="RAG JSON (MuSiQue shape)")
-    p.add_argument("--model", type=Path, default=None, help="HF model dir (default: embedded)")
+    add_data_option(p, as_path=True)
+    add_model_option(p)
     p.add_argument("--examples", type=int, default=20)
     p.add_argument("--passages", type=int, default=8)
     p.add_argument("--passage-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "diagnosis.json")
+    add_out_option(p, "diagnosis.json", as_path=True)
     args = p.parse_args(argv)
     if args.examples < 1 or args.passages < 1:
         p.error("--examples and --passages must be >= 1")
 
-    import transformers
-
     started = time.perf_counter()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    git = git_state()
-    model_path = args.model or embedded_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
+    git_info = git_report()
+    model_path, tokenizer, oracle = load_oracle_model(args.model)
     examples = load_rag_examples(args.data)[: args.examples]
     per_example = []
     for i, ex in enumerate(tqdm(examples, desc="diagnose", unit="example")):
@@ -720,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "diagnosis",
         "issue": 11,
-        "git": git,
+        "git": git_info,
         "model": str(model_path),
         "data": str(args.data),
         "examples": len(examples),
@@ -737,8 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_example": per_example,
     }
     result["wall_s"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     plots = plot(result, args.out.parent)
     print_summary(result)
     print(f"\nwall time {result['wall_s']:.0f} s; wrote {args.out} and {', '.join(plots)}")

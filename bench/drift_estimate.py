@@ -25,7 +25,6 @@ signal's own rank correlation is reported beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -36,16 +35,21 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
 
-from _common import DEFAULT_DATA, embedded_path, git_state  # noqa: E402
+from _common import (  # noqa: E402
+    add_data_option,
+    add_model_option,
+    add_out_option,
+    git_state,
+    load_oracle_model,
+    write_json,
+)
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import first_token_kl  # noqa: E402
 from sgl_pic.layout import PromptLayout  # noqa: E402
-from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.oracle import Oracle  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.selection import SelectionContext, finalize, make_policy  # noqa: E402
 from sgl_pic.selection.cacheblend import reused_candidates  # noqa: E402
@@ -173,8 +177,8 @@ def judge(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="RAG JSON (MuSiQue shape)")
-    p.add_argument("--model", type=Path, default=None, help="HF model dir (default: embedded)")
+    add_data_option(p, as_path=True)
+    add_model_option(p)
     p.add_argument("--examples", type=int, default=40)
     p.add_argument("--fit-examples", type=int, default=20, help="the first N fit, the rest judge")
     p.add_argument("--passages", type=int, default=8)
@@ -188,20 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ridge", type=float, default=1e-3, help="L2 penalty of the fit")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "drift_estimate.json")
+    add_out_option(p, "drift_estimate.json", as_path=True)
     args = p.parse_args(argv)
     if not 1 <= args.fit_examples < args.examples:
         p.error("need 1 <= --fit-examples < --examples: some examples must be held out")
     if any(not 0 < r <= 1 for r in args.ratios):
         p.error("--ratios must be in (0, 1]")
 
-    import transformers
-
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
-    model_path = args.model or embedded_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
+    model_path, tokenizer, oracle = load_oracle_model(args.model)
     examples = load_rag_examples(args.data)[: args.examples]
     rows = []
     for i, ex in enumerate(tqdm(examples, desc="drift estimate", unit="example")):
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "drift_estimate",
         "issue": 46,
-        "commit": git_state(),
+        "commit": git_state()._asdict(),
         "model": str(model_path),
         "data": str(args.data),
         "examples": len(examples),
@@ -227,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - started,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     for part in ("fit", "held_out"):
         j = result[part]
         print(

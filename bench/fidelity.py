@@ -29,11 +29,16 @@ from typing import Any, NamedTuple
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
 
-from _common import DEFAULT_DATA, embedded_path, git_state  # noqa: E402
+from _common import (  # noqa: E402
+    add_data_option,
+    add_model_option,
+    add_out_option,
+    git_state,
+    load_oracle_model,
+    write_json,
+)
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
@@ -51,7 +56,7 @@ from sgl_pic.fidelity import (  # noqa: E402
     top1_agrees,
     until_stop,
 )
-from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf  # noqa: E402
+from sgl_pic.oracle import Oracle  # noqa: E402
 from sgl_pic.oracle.forward import KVCache  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.selection import (  # noqa: E402
@@ -199,15 +204,11 @@ def stop_ids(tokenizer: Any) -> frozenset[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import transformers
-
     started, cpu_started = time.perf_counter(), time.process_time()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model_path = args.model or embedded_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    model_path, tokenizer, oracle = load_oracle_model(args.model)
     stops = stop_ids(tokenizer)
-    oracle = Oracle(weights_from_hf(load_hf_model(model_path)))
     floors = {name: oracle_in_dtype(oracle, FLOOR_DTYPES[name]) for name in args.floors}
     examples = load_rag_examples(args.data)[args.first : args.first + args.examples]
     base = PicConfig()
@@ -323,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
         # CPU time of the process: on a shared machine, what predicts another run's length.
         "cpu_s": time.process_time() - cpu_started,
-        "commit": git_state(),
+        "commit": git_state()._asdict(),
         "summary": summarize(rows, run_variants + floor_variants),
         "cachetune_recall": {key: statistics.fmean(r[key] for r in recalls) for key in recalls[0]},
         "cachetune_recall_rows": recalls,
@@ -533,8 +534,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="RAG JSON (MuSiQue shape)")
-    p.add_argument("--model", type=Path, default=None, help="HF model dir (default: embedded)")
+    add_data_option(p, as_path=True)
+    add_model_option(p)
     p.add_argument("--examples", type=int, default=20)
     p.add_argument("--passages", type=int, default=8, help="passages (chunks) per prompt")
     p.add_argument(
@@ -566,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--merge", type=Path, nargs="+", default=None, help="merge these results into --out"
     )
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fidelity.json")
+    add_out_option(p, "fidelity.json", as_path=True)
     args = p.parse_args(argv)
     if args.examples < 1 or args.passages < 1 or args.first < 0:
         p.error("--examples and --passages must be >= 1, --first >= 0")
@@ -576,8 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         result = merge([json.loads(path.read_text()) for path in args.merge])
     else:
         result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print_table(result)
     print(f"\nwall time {result['wall_s']:.0f} s")

@@ -32,11 +32,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, Client, delta, fresh_header, git_state, launch, metric  # noqa: E402
+from _common import (
+    add_data_option,
+    add_out_option,
+    add_server_args_option,
+    embedded_tokenizer,
+    git_state,
+    write_json,  # noqa: E402
+)
+from _server import Client, delta, fresh_header, launch, metric  # noqa: E402
 
 from sgl_pic.registry import POLICIES  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 TAIL = "Question: Which passage mentions a river?\nAnswer:"
 
 
@@ -92,16 +99,16 @@ def measure(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(DATA))
+    add_data_option(ap)
     ap.add_argument("--lengths", default="1024,2048,4096,7680")  # SmolLM2: 8192 positions
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--counts", default="2,4,8,16,32")
     ap.add_argument("--count-length", type=int, default=4096)
     ap.add_argument("--policies", default="", help="comma list (default: every policy)")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--server-args", default="")
+    add_server_args_option(ap)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "growth.json"))
+    add_out_option(ap, "growth.json")
     args = ap.parse_args()
     if args.smoke:
         args.lengths, args.counts, args.count_length, args.reps = "256,512", "2,4", 512, 1
@@ -113,12 +120,9 @@ def main() -> None:
     counts = [int(x) for x in args.counts.split(",")]
     commit, dirty = git_state()
 
-    from transformers import AutoTokenizer
-
-    from sgl_pic.model.embedded import ensure_embedded_model
     from sgl_pic.prompts import load_rag_examples
 
-    tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model().path))
+    tok = embedded_tokenizer()
     longest = max(max(lengths), args.count_length)
     stream: list[int] = []
     for ex in load_rag_examples(args.data):
@@ -158,9 +162,7 @@ def main() -> None:
     }
     report["device_hits_ok"] = all(r["device_hits_ok"] for r in by_length + by_count)
     print(json.dumps(report["exponents"], indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     _plot(report, names, out.with_suffix(".png"))
     print(f"wrote {out}")
 

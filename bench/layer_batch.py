@@ -23,12 +23,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
-from torch.nn.functional import linear, silu
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used, after the arguments are parsed: --help answers at once.
 
 SIZES = (8, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -37,6 +39,9 @@ def dense_layer(
     hidden: int, inter: int, q_dim: int, kv_dim: int, dtype: torch.dtype
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The dense part of one Llama decoder layer, random weights of the model's shapes."""
+    import torch
+    from torch.nn.functional import linear, silu
+
     g = torch.Generator().manual_seed(0)
     w_qkv = torch.randn(q_dim + 2 * kv_dim, hidden, generator=g).to(dtype)
     w_o = torch.randn(hidden, q_dim, generator=g).to(dtype)
@@ -54,9 +59,10 @@ def dense_layer(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "layer_batch.json"))
+    add_out_option(ap, "layer_batch.json")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
+    import torch
 
     from sgl_pic.model.embedded import ensure_embedded_model
 
@@ -94,7 +100,7 @@ def main() -> int:
     }
     for name, r in results.items():
         print(name, "us/token:", r["us_per_token"], "ratio to 1024:", r["ratio_to_1024"])
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2, newline=True)
     print(f"wrote {args.out}")
     return 0
 

@@ -16,7 +16,6 @@ alone.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -25,14 +24,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _server import ROOT, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
 
-from sgl_pic.worker_threads import confine_torch_threads  # noqa: E402
-
+# torch is imported where it is used, after the arguments are parsed: --help answers at once.
 CONDITIONS = ("alone", "beside_unconfined", "beside_confined")
 
 
@@ -53,6 +48,8 @@ def context_switches() -> int:
 
 def decode_loop(steps: int) -> LoopTime:
     """The seconds and context switches of ``steps`` rounds of decode-sized ops."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 576, generator=g)  # [tokens, hidden]
     w = torch.randn(576, 1536, generator=g)  # [hidden, intermediate]
@@ -67,6 +64,10 @@ def decode_loop(steps: int) -> LoopTime:
 
 def idle_thread(confined: bool) -> IdleThread:
     """A started thread that ran one parallel-sized op and now waits for its event."""
+    import torch
+
+    from sgl_pic.worker_threads import confine_torch_threads
+
     release, ready = threading.Event(), threading.Event()
 
     def run() -> None:
@@ -98,8 +99,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "openmp_teams.json"))
+    add_out_option(ap, "openmp_teams.json")
     args = ap.parse_args()
+    import torch
+
     commit, dirty = git_state()
     decode_loop(300)  # the main thread's own team exists before anything is timed
     rounds = []
@@ -126,7 +129,7 @@ def main() -> None:
     for c in CONDITIONS[1:]:
         print(f"{c}: {ratios[c]:.2f}x the loop alone")
     print(f"context switches per loop (median): {switches}")
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, newline=True)
     print(f"wrote {args.out}")
 
 

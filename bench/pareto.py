@@ -20,7 +20,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import RESULTS, write_json
+
 ORACLE = "oracle_selection"
 
 
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     fidelity = json.loads(args.fidelity.read_text())
     serve = json.loads(args.serve.read_text()) if args.serve.exists() else None
     points = collect(fidelity, serve)
-    args.out.write_text(json.dumps(points, indent=1))
+    write_json(args.out, points)
     plot(points, args.out.with_suffix(".png"))
     for t in points["at_15_percent"]:
         lo, hi = t["kl_over_full_reuse_ci95"]

@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, delta, git_state, launch, metric  # noqa: E402
+from _common import DEFAULT_DATA, RESULTS, git_state, write_json  # noqa: E402
+from _server import delta, launch, metric  # noqa: E402
 from workload_streams import WORKLOADS, Request, Streams, server_warmup  # noqa: E402
 from workloads import (  # noqa: E402
-    DATA,
     MAX_NEW_TOKENS,
     PASSAGE_TOKENS,
     SERVER_ARGS,
@@ -56,8 +56,6 @@ from workloads import (  # noqa: E402
     run_stream,
     warm_up,
 )
-
-from sgl_pic.integration.phases import SubRequest, attended_keys  # noqa: E402
 
 RATE = 50  # samples per second
 
@@ -124,7 +122,10 @@ def profile(
         spy.wait(timeout=300)
     computed = res["prompt_tokens"] - res["prefix_cached_tokens"]
     if form != "pic":
-        # SGLang's extend: each request's tokens past its cached prefix.
+        # SGLang's extend: each request's tokens past its cached prefix. (Imported here:
+        # the module imports torch, and --help answers without it.)
+        from sgl_pic.integration.phases import SubRequest, attended_keys
+
         subs = [SubRequest(0, r["cached"], r["prompt"] - r["cached"]) for r in res["records"]]
         keys_per_query = {"extend": attended_keys(subs) / max(computed, 1)}
     else:
@@ -185,7 +186,7 @@ def main() -> None:
     ap.add_argument("--raw-dir", default=None, help="keep py-spy's raw stacks here")
     args = ap.parse_args()
     commit, dirty = git_state()
-    src = Streams(DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
+    src = Streams(DEFAULT_DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
     sessions = WORKLOADS[args.workload](src, args.requests, args.seed)
     warmup = server_warmup(src, args.concurrency)
     report: dict[str, Any] = {"git_commit": commit, "git_dirty": dirty, "args": vars(args)}
@@ -206,9 +207,7 @@ def main() -> None:
     for config in ("prefix_caching", "sgl_pic"):
         kpq = {k: round(v, 1) for k, v in report[config]["keys_per_query"].items()}
         print(config, "keys per query", kpq, flush=True)
-    out = Path(args.out or ROOT / "bench" / "results" / f"profile_{args.workload}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out or RESULTS / f"profile_{args.workload}.json", report)
     print(f"wrote {out}")
 
 

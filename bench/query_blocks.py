@@ -36,10 +36,10 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, git_state, launch  # noqa: E402
+from _common import DEFAULT_DATA, add_out_option, git_state, write_json  # noqa: E402
+from _server import launch  # noqa: E402
 from workload_streams import WORKLOADS, Streams, server_warmup  # noqa: E402
 from workloads import (  # noqa: E402
-    DATA,
     MAX_NEW_TOKENS,
     PASSAGE_TOKENS,
     SERVER_ARGS,
@@ -71,7 +71,7 @@ OLD_BLOCK = 128
 
 
 def record(workload: str, requests: int, concurrency: int, out: Path) -> list[dict[str, Any]]:
-    src = Streams(DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
+    src = Streams(DEFAULT_DATA, PASSAGE_TOKENS, MAX_NEW_TOKENS)
     sessions = WORKLOADS[workload](src, requests, 1)
     with tempfile.TemporaryDirectory() as site:
         (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads while timing")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "query_blocks.json"))
+    add_out_option(ap, "query_blocks.json")
     args = ap.parse_args()
     commit, dirty = git_state()
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,9 +199,7 @@ def main() -> None:
         "records": rows,
     }
     print(json.dumps(report["summary"], indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     print(f"wrote {out}")
 
 

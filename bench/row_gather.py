@@ -17,11 +17,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used, after the arguments are parsed: --help answers at once.
 
 KV_HEADS, HEAD_DIM = 3, 64
 
@@ -48,8 +51,10 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=20000)
     ap.add_argument("--rows", default="300,1000,1500")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "row_gather.json"))
+    add_out_option(ap, "row_gather.json")
     args = ap.parse_args()
+    import torch
+
     commit, dirty = git_state()
     g = torch.Generator().manual_seed(0)
     buffers = [
@@ -78,8 +83,6 @@ def main() -> None:
             ),
         }
         print(n, json.dumps({k: round(v, 3) for k, v in summary[str(n)].items()}), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "git_commit": commit,
         "git_dirty": dirty,
@@ -88,7 +91,7 @@ def main() -> None:
         "summary": summary,
         "rounds": rounds,
     }
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     print(f"wrote {out}")
 
 

@@ -45,9 +45,16 @@ from typing import Any, NamedTuple
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, Client, delta, git_state, launch, metric  # noqa: E402
+from _common import (
+    add_data_option,
+    add_out_option,
+    add_server_args_option,
+    embedded_tokenizer,
+    git_state,
+    write_json,  # noqa: E402
+)
+from _server import Client, delta, launch, metric  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 DELIM = "<|pic_chunk|>"
 TIERS = ("device", "host", "disk", "shared")
 
@@ -61,9 +68,6 @@ class Workload:
     """The stream: prompts over a Zipf-popular passage pool, drawn with one seed."""
 
     def __init__(self, data: Path, pool: int, passage_tokens: int, zipf: float) -> None:
-        from transformers import AutoTokenizer
-
-        from sgl_pic.model.embedded import ensure_embedded_model
         from sgl_pic.prompts import (
             PASSAGE_TEMPLATE,
             QUESTION_TEMPLATE,
@@ -72,7 +76,7 @@ class Workload:
             truncate_tokens,
         )
 
-        tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model().path))
+        tok = embedded_tokenizer()
         examples = load_rag_examples(data)
         texts = [p for ex in examples for p in ex.passages]
         random.Random(0).shuffle(texts)  # popularity independent of the file's order
@@ -364,7 +368,7 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(DATA))
+    add_data_option(ap)
     ap.add_argument("--servers", type=int, default=2, choices=(2, 3, 4))
     ap.add_argument("--modes", default="local,shared", help="comma list of local, shared")
     ap.add_argument("--policies", default="round_robin,cache_aware")
@@ -379,9 +383,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--store-port", type=int, default=50551)
     ap.add_argument("--store-mb", type=int, default=4096)
-    ap.add_argument("--server-args", default="", help="extra flags for every server")
+    add_server_args_option(ap, help="extra flags for every server")
     ap.add_argument("--smoke", action="store_true", help="a tiny stream: the pipeline works")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaleout.json"))
+    add_out_option(ap, "scaleout.json")
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.concurrency, args.pool, args.probe = 6, 2, 8, 1
@@ -401,8 +405,7 @@ def main() -> None:
                 )
     report["summary"] = summary(results)
     print(json.dumps(report["summary"], indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -35,30 +35,36 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from _server import Client, delta, fresh_header, git_state, launch, metric, shifted
+from _common import (
+    RESULTS,
+    add_data_option,
+    add_out_option,
+    add_server_args_option,
+    embedded_tokenizer,
+    git_state,
+    write_json,
+)
+from _server import Client, delta, fresh_header, launch, metric, shifted
 
 from sgl_pic.registry import POLICIES as REGISTRY
-
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:30000")
     ap.add_argument("--launch", action="store_true", help="launch a server (ignores --url)")
-    ap.add_argument("--server-args", default="", help="extra server flags with --launch")
-    ap.add_argument("--data", default=DATA)
+    add_server_args_option(ap, help="extra server flags with --launch")
+    add_data_option(ap, as_path=True)
     ap.add_argument("--examples", type=int, default=8)
     # MuSiQue passages are ~600 tokens with this tokenizer: 10 passages cut to 280 tokens
     # make a ~3k-token prompt (SGLang's --chunked-prefill-size is 4096 by default).
     ap.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
     ap.add_argument("--passage-tokens", type=int, default=280, help="truncate passages (0: no)")
     ap.add_argument("--policies", default="", help="comma-separated (default: every policy)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
+    add_out_option(ap, "serve.json")
     ap.add_argument(
         "--baseline",
-        default=str(Path(__file__).parent / "results" / "serve.json"),
+        default=str(RESULTS / "serve.json"),
         help="an earlier serve.json to compare mean TTFTs with (read before --out is written)",
     )
     args = ap.parse_args()
@@ -68,12 +74,9 @@ def main() -> None:
     baseline = _load(args.baseline)
     commit, dirty = git_state()
 
-    from transformers import AutoTokenizer
-
-    from sgl_pic.model.embedded import ensure_embedded_model
     from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens
 
-    tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model().path))
+    tok = embedded_tokenizer()
     examples = [ex for ex in load_rag_examples(args.data) if len(ex.passages) >= args.passages][
         : args.examples
     ]
@@ -229,8 +232,7 @@ def main() -> None:
         report["recomputed_fraction"][p] = (
             m.get("sgl_pic_recomputed_tokens_total", 0.0) / new if new else None
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2, newline=True)
     print(json.dumps(report, indent=2))
     _plot(report, Path(args.out).with_suffix(".png"))
     if not check["ok"]:

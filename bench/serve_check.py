@@ -39,7 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _server import Client, delta, git_state, launch, metric  # noqa: E402
+from _common import git_state, write_json  # noqa: E402
+from _server import Client, delta, launch, metric  # noqa: E402
 
 DOCS = (
     "Lyon sits where the Rhone meets the Saone; its old town is a UNESCO site. Silk "
@@ -210,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in sorted(result["checks"]["metrics"]["after"].items()):
         if v:
             print(f"  {k} {v:g}")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve_check.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(Path(args.out_dir) / "serve_check.json", result, newline=True)
     return 0 if all(c["ok"] for c in result["checks"].values()) else 1
 
 

@@ -53,7 +53,6 @@ import random
 import shlex
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -66,12 +65,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import requests
-from _server import ROOT, STARTUP_TIMEOUT_S
+from _common import (
+    ROOT,
+    add_data_option,
+    add_out_option,
+    add_server_args_option,
+    embedded_tokenizer,
+    git_state,
+    server_env,
+    write_json,
+)
+from _server import STARTUP_TIMEOUT_S
 from soak_tenants import ProbeResult, Quiesce, probe, salt
 from soak_tenants import summarize as summarize_tenants
 
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
-OUT = Path(__file__).parent / "results" / "soak.json"
 POLICIES = ("full_recompute", "full_reuse", "epic", "cacheblend", "daric", "cachetune")
 APPROXIMATE = POLICIES[1:]
 JSON_HEADERS = {"content-type": "application/json"}
@@ -202,8 +209,7 @@ class ServerManager:
     def start(self) -> None:
         from sgl_pic.server_process import server_process
 
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env = server_env()
         stack = ExitStack()
         t0 = time.monotonic()
         proc = stack.enter_context(
@@ -293,9 +299,6 @@ class Workload:
     threads never share the (not thread-safe) fast tokenizer."""
 
     def __init__(self, data: Path, pool: int, passage_tokens: int, zipf: float, seed: int):
-        from transformers import AutoTokenizer
-
-        from sgl_pic.model.embedded import ensure_embedded_model
         from sgl_pic.prompts import (
             PASSAGE_TEMPLATE,
             QUESTION_TEMPLATE,
@@ -304,7 +307,7 @@ class Workload:
             truncate_tokens,
         )
 
-        tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model().path))
+        tok = embedded_tokenizer()
         self.tokenizer = tok
 
         def ids(text: str) -> list[int]:
@@ -759,15 +762,6 @@ class Soak:
                         s.restart()
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def _pct(values: list[float], p: float) -> float:
     """Nearest-rank percentile."""
     s = sorted(values)
@@ -889,9 +883,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--out", default=str(OUT))
+    add_out_option(ap, "soak.json")
     ap.add_argument("--no-kill", action="store_true", help="no kill -9 at the midpoint")
-    ap.add_argument("--data", default=str(DATA))
+    add_data_option(ap)
     ap.add_argument("--pool", type=int, default=64, help="passages in the pool")
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of popularity")
     ap.add_argument("--passage-tokens", type=int, default=128)
@@ -900,7 +894,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--disk-dir", default=None, help="disk tier (default: a temporary one)")
-    ap.add_argument("--server-args", default="", help="extra server flags")
+    add_server_args_option(ap)
     ap.add_argument(
         "--tenants", type=int, default=0, help="tenants mixed in (0: none; >= 2 probes them)"
     )
@@ -912,7 +906,7 @@ def main() -> int:
     # is down: dozens); each is recorded as a Record already.
     warnings.filterwarnings("ignore", message="Error in stream_executor")
 
-    commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
+    commit, dirty = git_state()
     workload = Workload(Path(args.data), args.pool, args.passage_tokens, args.zipf, args.seed)
     scans: dict[str, DiskScan] = {}
     restart_errors: dict[str, Any] = {}
@@ -984,11 +978,7 @@ def main() -> int:
         "summary": summary,
         "records": [r._asdict() for r in soak.records],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    out = write_json(args.out, result)
     print_summary(summary)
     if final_metrics:
         print(f"last server's chunk metrics: {json.dumps(final_metrics)}")

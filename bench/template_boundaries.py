@@ -19,11 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
 
-from _server import git_state  # noqa: E402
+from _common import add_out_option, git_state, write_json  # noqa: E402
 
 from tests.integration.chat_templates import EMBEDDED, FAMILIES, boundary_counts  # noqa: E402
 
@@ -32,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "template_boundaries.json"))
+    add_out_option(ap, "template_boundaries.json")
     args = ap.parse_args()
     commit, dirty = git_state()
     report = {
@@ -44,9 +42,7 @@ def main() -> None:
             n: boundary_counts(n, args.requests, args.seed) for n in [*FAMILIES, EMBEDDED]
         },
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     print(json.dumps(report, indent=1))
 
 

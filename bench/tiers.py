@@ -107,7 +107,6 @@ import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -117,10 +116,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _common import (
+    add_data_option,
+    add_out_option,
+    add_server_args_option,
+    embedded_tokenizer,
+    git_state,
+    write_json,
+)
 from _server import Client, delta, fresh_header, launch, metric, shifted
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 TIERS = ("device", "host", "disk")
 # config -> (server, tier expected to serve its chunks, None for a plain request)
 CONFIGS: dict[str, tuple[str, str | None]] = {
@@ -487,19 +492,7 @@ def environment(args: argparse.Namespace, server_args: dict[str, list[str]]) -> 
         sglang_version = sglang.__version__
     except Exception:  # noqa: BLE001 - only reported
         sglang_version = None
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-        )
-    except OSError:
-        commit, dirty = None, None
+    commit, dirty = git_state(untracked=False)
     return {
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]),
@@ -599,13 +592,13 @@ def server(url: str | None, args: list[str]) -> Iterator[Client]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=DATA)
+    add_data_option(ap, as_path=True)
     ap.add_argument("--examples", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3, help="measurements per example")
     ap.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
     ap.add_argument("--passage-tokens", type=int, default=280, help="truncate passages (0: no)")
     ap.add_argument("--fixed-r", type=float, default=0.15, help="the fixed cachetune_r")
-    ap.add_argument("--server-args", default="", help="extra flags for both servers")
+    add_server_args_option(ap, help="extra flags for both servers")
     ap.add_argument("--url-a", default=None, help="use this running server A")
     ap.add_argument("--url-b", default=None, help="use this running server B")
     ap.add_argument("--no-wait", action="store_true", help="with --url-b: do not wait for Enter")
@@ -613,21 +606,18 @@ def main() -> None:
     ap.add_argument("--disk-cache-mb", type=int, default=8192)
     ap.add_argument("--keep-disk-dir", action="store_true", help="keep the temp disk dir")
     ap.add_argument("--disk-wait-s", type=float, default=300.0, help="write-back wait, A -> B")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tiers.json"))
+    add_out_option(ap, "tiers.json")
     args = ap.parse_args()
     args.load_start = list(os.getloadavg())
     if (args.url_a or args.url_b) and not args.disk_dir:
         ap.error("--url-a/--url-b need --disk-dir (the servers' --pic-disk-cache-dir)")
 
-    from transformers import AutoTokenizer
-
-    from sgl_pic.model.embedded import ensure_embedded_model
     from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model().path))
+    tok = embedded_tokenizer()
     examples = [ex for ex in load_rag_examples(args.data) if len(ex.passages) >= args.passages][
         : args.examples
     ]
@@ -739,9 +729,7 @@ def main() -> None:
         "environment": environment(args, server_args),
         "records": records,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report, indent=2, newline=True)
     plot(report, out.with_suffix(".png"))
     print()
     print_table(summary, headline)

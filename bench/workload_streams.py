@@ -30,10 +30,9 @@ import random
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sgl_pic.prompts import load_rag_examples, truncate_tokens
+from _common import ROOT, embedded_tokenizer
 
 DELIM = "<|pic_chunk|>"
-ROOT = Path(__file__).resolve().parents[1]
 # The chat template the servers of these workloads carry: one of the tests' fixtures.
 TOOL_TEMPLATE = ROOT / "tests" / "integration" / "templates" / "qwen25.jinja"
 TEMPLATED_WORKLOADS = ("agent", "tools")
@@ -56,11 +55,11 @@ class Streams:
     questions with answers."""
 
     def __init__(self, data: Path, passage_tokens: int, max_new_tokens: int) -> None:
-        from transformers import AutoTokenizer
+        # Here, not at the top: sgl_pic.prompts imports torch, and the scripts built on
+        # these streams answer --help without it.
+        from sgl_pic.prompts import load_rag_examples, truncate_tokens
 
-        from sgl_pic.model.embedded import ensure_embedded_model
-
-        self.tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model().path))
+        self.tok = embedded_tokenizer()
         examples = load_rag_examples(data)
         texts = [p for ex in examples for p in ex.passages]
         random.Random(0).shuffle(texts)

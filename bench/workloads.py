@@ -109,7 +109,8 @@ from typing import Any
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import ROOT, Client, delta, git_state, launch, metric  # noqa: E402
+from _common import add_data_option, add_out_option, git_state, write_json  # noqa: E402
+from _server import Client, delta, launch, metric  # noqa: E402
 from workload_streams import (  # noqa: E402
     TEMPLATED_WORKLOADS,
     WORKLOADS,
@@ -128,7 +129,6 @@ from sgl_pic.integration.forward_timer import (  # noqa: E402
 
 FORWARD_METRIC = "sgl_pic_forward_seconds_total"
 
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 SERVER_ARGS = (
     "--pic-device-cache-fraction 0.25 --pic-host-cache-mb 256 --pic-disk-cache-dir '' "
     "--enable-cache-report --enable-metrics"
@@ -734,7 +734,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(DATA))
+    add_data_option(ap)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -765,7 +765,7 @@ def main() -> None:
         help="configurations run side by side: prefix_caching and sgl_pic, and any of "
         f"prefix_caching_first_token, {', '.join(VARIANTS)}",
     )
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "workloads.json"))
+    add_out_option(ap, "workloads.json")
     args = ap.parse_args()
     configs = args.configs.split(",")
     known = {*DEFAULT_CONFIGS, *VARIANTS}
@@ -800,9 +800,7 @@ def main() -> None:
             runs["sgl_pic_lru"] = run_one(args, name, sessions, "sgl_pic_lru", warmup)
         report["workloads"][name] = {"runs": runs, "compare": compare(runs, args.warmup)}
         print(json.dumps({name: report["workloads"][name]["compare"]}, indent=1), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(args.out, report)
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

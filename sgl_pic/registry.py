@@ -29,11 +29,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from sgl_pic.selection.base import SelectionPolicy
-    from sgl_pic.store.base import ChunkStore
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 E = TypeVar("E")
@@ -151,7 +147,12 @@ def _same_entry(a: object, b: object) -> bool:
     return isinstance(b, LazyEntry) and b.points_to(a)
 
 
-POLICIES: Registry[type[SelectionPolicy]] = Registry("policy", "policies")
+# The entries' types are not named here: this module is the ground floor that
+# ``sgl_pic.config``, ``sgl_pic.selection`` and ``sgl_pic.store`` build on, so naming their
+# classes (even for the type checker) would make each of them depend on the others.
+# ``make_policy`` (``sgl_pic.selection.registry``) and ``make_store`` (``sgl_pic.store``)
+# give what they get from here its type.
+POLICIES: Registry[type[Any]] = Registry("policy", "policies")  # SelectionPolicy subclasses
 for _name, _target in (
     ("full_recompute", "sgl_pic.selection.baselines:FullRecompute"),
     ("full_reuse", "sgl_pic.selection.baselines:FullReuse"),
@@ -163,7 +164,7 @@ for _name, _target in (
 ):
     POLICIES.add_lazy(_name, _target)
 
-STORES: Registry[type[ChunkStore]] = Registry("store", "stores")
+STORES: Registry[type[Any]] = Registry("store", "stores")  # ChunkStore subclasses
 for _name, _target in (
     ("host", "sgl_pic.store.host:HostStore"),
     ("disk", "sgl_pic.store.disk:DiskStore"),

@@ -119,3 +119,22 @@ def test_config_validates_policy_names_without_importing_torch() -> None:
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_registry_names_no_module_of_the_package() -> None:
+    """The ground floor: config, selection and store build on this module, so it imports
+    none of them, not even for type hints (that made config -> registry -> selection.base
+    -> config one loop); its entries are named by path only."""
+    import ast
+    from pathlib import Path
+
+    import sgl_pic.registry as registry
+
+    tree = ast.parse(Path(registry.__file__).read_text())
+    imported = [
+        alias.name if isinstance(node, ast.Import) else node.module or ""
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [name for name in imported if name.split(".")[0] == "sgl_pic"], imported
