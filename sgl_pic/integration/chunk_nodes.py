@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
+from sgl_pic.store.deletion import Deletion, content_digest
 from sgl_pic.store.eviction import check_policy, gdsf_priority
 
 
@@ -38,6 +39,10 @@ class ChunkNode:
               rest pad the allocation to whole pages.
     ranking:  # [num_tokens] CacheTune ranking, or None.
     namespace: the isolation namespace it was stored under ("" the default).
+    content:  ``store.deletion.content_digest`` of its token ids: what a deletion by
+              content names.
+    deleted:  taken out of the index by a deletion while locked; its slots go back to the
+              allocator when the last lock is released.
     """
 
     key: str
@@ -46,6 +51,8 @@ class ChunkNode:
     num_tokens: int
     ranking: torch.Tensor | None
     namespace: str = ""
+    content: str = ""
+    deleted: bool = False
     lock_ref: int = 0
     children: int = 0
     last_access: int = 0
@@ -73,6 +80,15 @@ class ChunkHit(NamedTuple):
     def slots(self) -> torch.Tensor:
         """# [n] pool slots of the chunk's KV, token order."""
         return torch.cat([n.kv_slots for n in self.nodes])
+
+
+class NodeDeleteReport(NamedTuple):
+    """What ``ChunkNodeTable.delete`` took out of the index: ``records`` nodes holding
+    ``tokens`` slots (of which ``pending_tokens`` are locked: freed when unlocked)."""
+
+    records: int
+    tokens: int
+    pending_tokens: int
 
 
 class ChunkNodeTable:
@@ -208,6 +224,7 @@ class ChunkNodeTable:
                 num_tokens=n,
                 ranking=None if ranking is None else ranking[k.start : k.end].clone(),
                 namespace=namespace,
+                content=content_digest(list(token_ids[k.start : k.end])),
                 last_access=now,
                 priority=gdsf_priority(self._age, 1, take),
             )
@@ -244,6 +261,9 @@ class ChunkNodeTable:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self._locked -= n.allocated
+                if n.deleted:
+                    self._allocated -= n.allocated
+                    self.allocator.free(n.slots)
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_tokens: int) -> int:
@@ -277,6 +297,38 @@ class ChunkNodeTable:
             self._nodes[node.parent].children -= 1
         self.allocator.free(node.slots)
         return node.allocated
+
+    # ----------------------------------------------------------------- deletion
+    def delete(self, deletion: Deletion) -> NodeDeleteReport:
+        """Takes every node ``deletion`` matches out of the index at once, with the nodes
+        chained after them (which could never hit again). An unlocked node's slots go back
+        to the allocator now, a locked one's when the request holding it unlocks it (its
+        KV is already being copied out; nothing can find it any more). Bumps
+        ``generation``, so a promotion under way cannot bring a deleted chunk back."""
+        self.generation += 1
+        doomed = {
+            k for k, n in self._nodes.items() if deletion.matches_digest(n.namespace, n.content)
+        }
+        if not doomed:
+            return NodeDeleteReport(0, 0, 0)
+        # Successors of a deleted segment: a node's parent precedes it in insertion
+        # order, so one pass in that order finds whole chains.
+        for k, n in self._nodes.items():
+            if n.parent is not None and n.parent in doomed:
+                doomed.add(k)
+        tokens = pending = 0
+        for k in [k for k in self._nodes if k in doomed]:
+            node = self._nodes[k]
+            tokens += node.allocated
+            if node.lock_ref:
+                pending += node.allocated
+                node.deleted = True
+                del self._nodes[k]
+                if node.parent is not None and node.parent in self._nodes:
+                    self._nodes[node.parent].children -= 1
+            else:
+                self._remove(node)
+        return NodeDeleteReport(len(doomed), tokens, pending)
 
     def clear(self, free: bool) -> None:
         """Drops every node; ``free=False`` when the allocator is being cleared anyway

@@ -95,7 +95,11 @@ class ChunkExecutor:
                None stores every one.
     reduce:    sums a device tensor over the tensor-parallel ranks, so that signals computed
                from each rank's own heads (CacheBlend's deviation, the query probe) select
-               the same tokens everywhere; None on one rank."""
+               the same tokens everywhere; None on one rank.
+    sync_deletions: applies the deletion orders other servers sharing the store issued
+               to the chunk nodes (``Deleter.sync``); called before each batch's lookups,
+               so a chunk deleted anywhere is not found here afterwards. None: nothing to
+               sync."""
 
     def __init__(
         self,
@@ -111,8 +115,10 @@ class ChunkExecutor:
         merge_gap: int = 0,
         admission: StoreAdmission | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        sync_deletions: Callable[[], object] | None = None,
     ) -> None:
         self.config = settings_config
+        self.sync_deletions = sync_deletions
         self.nodes = nodes
         self.lower = lower
         self.kv = kv
@@ -177,6 +183,8 @@ class ChunkExecutor:
             row += ext_lens[b]
         if not specs:
             return None
+        if self.sync_deletions is not None:
+            self.sync_deletions()
 
         self._batch_admission = BatchAdmission(self.admission)
         try:

@@ -131,6 +131,12 @@ class PicMetrics:
             "Requests the scheduler refused with an error (e.g. token ids outside the vocabulary)",
             ["reason"],
         )
+        self.deleted_records = Counter(
+            "sgl_pic_deleted_records",
+            "Chunk records removed by deletion orders (POST /pic/delete here, or another "
+            "server's through the shared store's log), by tier",
+            ["tier"],
+        )
         self.queue_drops = Counter(
             "sgl_pic_queue_drops",
             "Background jobs dropped because their bounded queue was full or closed",

@@ -69,6 +69,7 @@ def build_tree_cache(ctx: Any) -> Any:
     global _executor, _gate, _phases
     from sgl_pic.integration import radix_cache
     from sgl_pic.integration.chunk_nodes import ChunkNodeTable
+    from sgl_pic.integration.deleter import Deleter
     from sgl_pic.integration.executor import ChunkExecutor
     from sgl_pic.integration.fingerprint import server_fingerprint
     from sgl_pic.integration.gate import AdmissionGate
@@ -157,6 +158,7 @@ def build_tree_cache(ctx: Any) -> Any:
         getattr(runner, "kv_index_translator", None),
         ctx.params.req_to_token_pool,
     )
+    deleter = Deleter(cache.chunk_nodes, cache, lower.store if lower is not None else None, metrics)
     _executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,
@@ -170,6 +172,7 @@ def build_tree_cache(ctx: Any) -> Any:
         merge_gap=settings.merge_gap,
         admission=StoreAdmission(settings.admission),
         reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
+        sync_deletions=deleter.sync if lower is not None else None,
     )
     if shutdown is not None:
         # The promoter reads from the tiers: its worker is joined before they stop.
@@ -192,7 +195,13 @@ def build_tree_cache(ctx: Any) -> Any:
         )
     signer = MarkSigner(settings.secret) if settings.secret else None
     _gate = AdmissionGate(
-        settings.config, signer, vocab_size, metrics, ratios is not None, tenant_policy(settings)
+        settings.config,
+        signer,
+        vocab_size,
+        metrics,
+        ratios is not None,
+        tenant_policy(settings),
+        deleter,
     )
     logger.info(
         "sgl_pic chunk cache ready: policy=%s, model %s, attention backend %s, chunk nodes up "

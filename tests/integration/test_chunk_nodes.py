@@ -567,3 +567,64 @@ def test_chunk_nodes_whose_kv_could_not_be_written_are_taken_back() -> None:
     with pytest.raises(ValueError, match="refused"):
         ex._store(tuple(x), torch.zeros(1, 2, len(x), 1, 1), None)
     assert table.match(x) is None and len(table) == 0 and alloc.free_slots() == free
+
+
+# --------------------------------------------------------------------- deletion
+def test_delete_by_namespace_leaves_other_namespaces() -> None:
+    from sgl_pic.store.deletion import Deletion
+
+    table, alloc = make_table()
+    x = toks(100, 10)
+    assert table.insert(x, None, "a") and table.insert(x, None, "b")
+    rep = table.delete(Deletion(namespaces=frozenset({"a"})))
+    assert (rep.records, rep.tokens, rep.pending_tokens) == (3, 10, 0)
+    assert table.match(x, "a") is None and table.match(x, "b") is not None
+    assert table.allocated_tokens == 10 and len(alloc.free_slots()) == len(alloc.initial_free) - 10
+    assert_released(table, alloc)
+
+
+def test_delete_by_content_takes_the_chain_after_a_deleted_segment() -> None:
+    from sgl_pic.store.deletion import Deletion, segment_contents
+
+    table, alloc = make_table()
+    x, y = toks(100, 10), toks(200, 8)
+    assert table.insert(x, None) and table.insert(y, None)
+    # Only x's first segment named: its successors could never hit again, so they go too.
+    rep = table.delete(Deletion(contents=segment_contents(x[:4], SEG)))
+    assert rep.records == 3 and table.match(x) is None and table.match(y) is not None
+    assert not any(held(table, x)) and table.allocated_tokens == 8
+    assert table.delete(Deletion(contents=segment_contents(y, SEG))).records == 2
+    assert len(table) == 0 and alloc.free_slots() == alloc.initial_free
+
+
+def test_a_locked_node_leaves_the_index_at_once_and_frees_its_slots_when_unlocked() -> None:
+    from sgl_pic.store.deletion import Deletion
+
+    table, alloc = make_table()
+    x = toks(100, 10)
+    assert table.insert(x, None, "a")
+    hit = table.match(x, "a")
+    assert hit is not None
+    table.lock(hit.nodes)  # a running request copies them out
+    rep = table.delete(Deletion(namespaces=frozenset({"a"})))
+    assert (rep.records, rep.pending_tokens) == (3, 10)
+    assert table.match(x, "a") is None and len(table) == 0
+    # Still the request's: protected, not evictable, not back in the allocator.
+    assert table.protected_tokens == 10 and table.evictable_tokens == 0
+    assert len(alloc.free_slots()) == len(alloc.initial_free) - 10
+    # A new copy of the same chunk is computed afresh into new slots.
+    again = table.insert(x, None, "a")
+    assert again is not None and len(again[0]) == 3
+    table.unlock(hit.nodes)
+    assert table.protected_tokens == 0 and table.allocated_tokens == 10
+    assert len(alloc.free_slots()) == len(alloc.initial_free) - 10
+    assert_released(table, alloc)
+
+
+def test_a_deletion_stops_promotions_under_way() -> None:
+    from sgl_pic.store.deletion import Deletion
+
+    table, _ = make_table()
+    before = table.generation
+    table.delete(Deletion(namespaces=frozenset({"nobody"})))
+    assert table.generation == before + 1

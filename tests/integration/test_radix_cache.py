@@ -321,3 +321,29 @@ def test_chunk_node_count_is_reported_when_eviction_or_a_flush_frees_nodes(page_
     env.cache.unlock(tree_lock)
     env.cache.reset()
     assert seen[-1] == 0 and len(seen) == 3
+
+
+@PAGES
+def test_a_deletion_evicts_the_unlocked_tree_and_keeps_sglangs_sizes(page_size: int) -> None:
+    from sgl_pic.integration.deleter import Deleter
+    from sgl_pic.store.deletion import Deletion, segment_contents
+
+    env = Env(page_size)
+    tree_lock, y_nodes = env.populate()
+    c, t = env.cache, env.table
+    nodes_before = len(t)
+    report = Deleter(t, c).execute(Deletion(contents=segment_contents(CHUNK_Y, SEG)))
+    env.conserved()
+    # Prefix A (unlocked) evicted by SGLang's own eviction; B, locked, stays. No chunk
+    # node but the one deleted is touched.
+    assert report["prefix_tree_evicted_tokens"] == 12
+    assert env.sgl_evictable() == 0 and env.sgl_protected() == 8
+    assert report["tiers"]["device"] == {"records": 1, "tokens": 4, "pending_tokens": 4}
+    assert len(t) == nodes_before - 1 and env.held(CHUNK_Y) == [False]
+    # Y is still the running request's until it lets go, then back in the allocator.
+    assert t.protected_tokens == 4
+    t.unlock(y_nodes)
+    env.conserved()
+    assert t.protected_tokens == 0 and env.held(CHUNK_X) == [True, True]
+    c.unlock(tree_lock)
+    env.conserved()
