@@ -123,7 +123,12 @@ def build_tree_cache(ctx: Any) -> Any:
 
     def make_table(allocator: Any) -> ChunkNodeTable:
         return ChunkNodeTable(
-            allocator, fingerprint, settings.config.segment_tokens, capacity, settings.eviction
+            allocator,
+            fingerprint,
+            settings.config.segment_tokens,
+            capacity,
+            settings.eviction,
+            settings.namespace_max_tokens(capacity),
         )
 
     cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set)
@@ -297,14 +302,18 @@ def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = Non
     pre = dataclasses.replace(fingerprint, pre_rope=True)
     if settings.disk_cache_dir:
         disk = DiskStoreConfig(
-            settings.disk_cache_dir, settings.disk_cache_mb * 2**20, policy=settings.eviction
+            settings.disk_cache_dir,
+            settings.disk_cache_mb * 2**20,
+            policy=settings.eviction,
         )
         write_back = "on_put"
     else:
         disk = DiskStoreConfig(tempfile.mkdtemp(prefix="sgl_pic_nodisk_"), 0)
         write_back = "on_evict"
     host = HostStoreConfig(
-        settings.host_cache_mb * 2**20, policy=settings.eviction, write_back=write_back
+        settings.host_cache_mb * 2**20,
+        policy=settings.eviction,
+        write_back=write_back,
     )
     # Disk hits enter host memory only when it exists; a zero-capacity host tier would
     # make every promotion a wasted full read.

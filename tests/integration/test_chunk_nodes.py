@@ -540,11 +540,61 @@ class PagedChunkTableMachine(ChunkTableMachine):
     capacity = 24
 
 
+class TenantChunkTableMachine(ChunkTableMachine):
+    """The same with a per-namespace cap, inserts into two namespaces, and deletions (a
+    locked node deleted leaves the index, and its slots return when it is unlocked)."""
+
+    cap = 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = ChunkNodeTable(
+            self.alloc, FP, SEG, self.capacity, namespace_max_tokens=self.cap
+        )
+
+    @rule(tokens=chunks, ns=st.sampled_from(["a", "b"]))
+    def insert_in(self, tokens: list[int], ns: str) -> None:
+        self.table.insert(tokens, None, ns)
+
+    @rule(tokens=chunks, ns=st.sampled_from(["a", "b"]))
+    def lock_hit_in(self, tokens: list[int], ns: str) -> None:
+        hit = self.table.match(tokens, ns)
+        if hit is not None:
+            self.table.lock(hit.nodes)
+            self.holds.append(hit.nodes)
+
+    @rule(ns=st.sampled_from(["", "a", "b"]), tokens=st.none() | chunks)
+    def delete(self, ns: str, tokens: list[int] | None) -> None:
+        from sgl_pic.store.deletion import Deletion, segment_contents
+
+        contents = None if tokens is None else segment_contents(tokens, SEG)
+        self.table.delete(Deletion(namespaces=frozenset({ns}), contents=contents))
+        if tokens is not None:
+            assert self.table.match(tokens, ns) is None
+
+    @invariant()
+    def accounting(self) -> None:
+        t = self.table
+        assert t.evictable_tokens + t.protected_tokens == t.allocated_tokens
+        by_ns = t.tokens_by_namespace()
+        assert sum(by_ns.values()) == t.allocated_tokens
+        assert all(0 < v <= self.cap for v in by_ns.values())
+        external = sum(int(s.numel()) for s in self.external)
+        assert len(self.alloc.allocated) == t.allocated_tokens + external
+        locked = {id(n): n for nodes in self.holds for n in nodes}
+        assert t.protected_tokens == sum(n.allocated for n in locked.values())
+        for n in locked.values():
+            assert t.contains(n.key) != n.deleted
+            assert set(n.slots.tolist()) <= self.alloc.allocated
+
+
 _machine_settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestChunkTable = ChunkTableMachine.TestCase
 TestChunkTable.settings = _machine_settings
 TestPagedChunkTable = PagedChunkTableMachine.TestCase
 TestPagedChunkTable.settings = _machine_settings
+TestTenantChunkTable = TenantChunkTableMachine.TestCase
+TestTenantChunkTable.settings = _machine_settings
 
 
 def test_chunk_nodes_whose_kv_could_not_be_written_are_taken_back() -> None:
@@ -628,3 +678,52 @@ def test_a_deletion_stops_promotions_under_way() -> None:
     before = table.generation
     table.delete(Deletion(namespaces=frozenset({"nobody"})))
     assert table.generation == before + 1
+
+
+# --------------------------------------------------------------------- fair share
+@pytest.mark.parametrize("policy", ["lru", "lfu", "gdsf"])
+@pytest.mark.parametrize("capacity", [48, 32])  # room for both caps; room for less
+def test_one_namespaces_churn_never_evicts_anothers_within_its_cap(
+    policy: str, capacity: int
+) -> None:
+    alloc = FakeAllocator(64)
+    table = ChunkNodeTable(alloc, FP, SEG, capacity, policy, namespace_max_tokens=24)
+    quiet = [toks(1000 + 10 * i, 4) for i in range(4)]  # 16 slots, within the cap of 24
+    for x in quiet:
+        assert table.insert(x, None, "quiet")
+    for i in range(200):  # churn: novel chunks, far past the cap and the capacity
+        assert table.insert(toks(5000 + 10 * i, 4), None, "busy") is not None
+        assert table.tokens_by_namespace()["busy"] <= 24
+        if i % 7 == 0:
+            table.match(toks(5000 + 10 * i, 4), "busy")  # some of its own come back
+    assert all(table.match(x, "quiet") is not None for x in quiet)
+    assert table.tokens_by_namespace() == {"quiet": 16, "busy": min(24, capacity - 16)}
+    assert_released(table, alloc)
+
+
+def test_without_a_cap_churn_evicts_across_namespaces() -> None:
+    alloc = FakeAllocator(64)
+    table = ChunkNodeTable(alloc, FP, SEG, 48, "lru")
+    quiet = [toks(1000 + 10 * i, 4) for i in range(4)]
+    for x in quiet:
+        assert table.insert(x, None, "quiet")
+    for i in range(40):
+        assert table.insert(toks(5000 + 10 * i, 4), None, "busy") is not None
+    assert all(table.match(x, "quiet") is None for x in quiet)
+
+
+def test_a_namespace_at_its_cap_gives_up_its_own_and_never_more_than_it_has() -> None:
+    alloc = FakeAllocator(64)
+    table = ChunkNodeTable(alloc, FP, SEG, 64, "lru", namespace_max_tokens=8)
+    a, b = toks(100, 4), toks(200, 4)
+    assert table.insert(a, None, "n") and table.insert(b, None, "n")
+    hit = table.match(a, "n")
+    assert hit is not None
+    table.lock(hit.nodes)  # a running request holds a: only b can make room
+    assert table.insert(toks(300, 4), None, "n")
+    assert table.match(a, "n") is not None and table.match(b, "n") is None
+    # A chunk bigger than the cap is never stored, and nothing is evicted for it.
+    assert table.insert(toks(400, 12), None, "n") is None and len(table) == 2
+    table.unlock(hit.nodes)
+    with pytest.raises(ValueError, match="namespace_max_tokens"):
+        ChunkNodeTable(alloc, FP, SEG, 64, namespace_max_tokens=-1)
