@@ -197,6 +197,7 @@ class ChunkExecutor:
                 evictions["host"] = self.lower.store.host.stats().evictions
                 evictions["disk"] = self.lower.store.disk.stats().evictions
             self.metrics.record_evictions(evictions)
+            self.export_namespace_sizes()
         except BaseException:
             self._batch_admission.abandon()  # the plugin reruns it as plain prefill
             raise
@@ -256,7 +257,19 @@ class ChunkExecutor:
         for plan in plans.values():
             assert plan.stats is not None
             self.metrics.record(plan.stats)
+            self.metrics.record_namespace(plan.pending.namespace, plan.stats)
         return hidden
+
+    def export_namespace_sizes(self) -> None:
+        """Per-namespace chunk-node slots and host/disk bytes into the metrics, where the
+        operator enabled per-namespace metrics."""
+        if not self.metrics.namespace_labels.limit:
+            return
+        tiers: dict[str, dict[str, int]] = {}
+        if self.lower is not None:
+            tiers["host"] = self.lower.store.host.bytes_by_namespace()
+            tiers["disk"] = self.lower.store.disk.bytes_by_namespace()
+        self.metrics.record_namespace_sizes(self.nodes.tokens_by_namespace(), tiers)
 
     def close(self) -> None:
         """Joins the promoter's worker (shutdown)."""

@@ -88,6 +88,7 @@ def build_tree_cache(ctx: Any) -> Any:
     settings = PicServerSettings.from_env()
     vocab_size = int(ctx.model_config.vocab_size)
     metrics = PicMetrics()
+    metrics.enable_namespaces(settings.namespace_metrics)
     # Checked before anything is built: a model or backend the method does not cover is
     # served exactly, with reuse off, a log line and a metric.
     support = check_support(ctx)
