@@ -47,8 +47,10 @@ from sgl_pic.store.base import (
     LayerKV,
     RecordLayout,
     check_key,
+    hash_token_ids,
     register_store,
 )
+from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.errors import (
     BadMagicError,
     CorruptRecordError,
@@ -115,6 +117,8 @@ class DiskStoreConfig:
                         and are removed; younger ones are removed when their name says
                         they were written on this host by a process that no longer
                         runs, else kept (another process's write in progress).
+    namespace_max_bytes: file bytes one namespace (tenant) may hold, 0 for no cap
+                        (``sgl_pic.store.eviction``: fair share).
     """
 
     root: str
@@ -122,6 +126,7 @@ class DiskStoreConfig:
     policy: str = "lru"
     block_tokens: int = 32
     stale_tmp_seconds: float = 3600.0
+    namespace_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -133,6 +138,8 @@ class DiskStoreConfig:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         if self.stale_tmp_seconds < 0:
             raise ValueError(f"stale_tmp_seconds must be >= 0, got {self.stale_tmp_seconds}")
+        if self.namespace_max_bytes < 0:
+            raise ValueError(f"namespace_max_bytes must be >= 0, got {self.namespace_max_bytes}")
 
 
 @register_store
@@ -157,11 +164,23 @@ class DiskStore(BoundedStore):
     regrow_interval_s: ClassVar[float] = 10.0
 
     def __init__(
-        self, config: DiskStoreConfig, model_digest: str, layout: RecordLayout | None = None
+        self,
+        config: DiskStoreConfig,
+        model_digest: str,
+        layout: RecordLayout | None = None,
+        deletions: DeletionLog | None = None,
     ) -> None:
         """layout: the KV layout (the serving pool's) every file must have; a file of
-        another is a bad file (error kind "layout_mismatch", deleted). None checks none."""
-        super().__init__(model_digest, config.capacity_bytes, config.policy, layout)
+        another is a bad file (error kind "layout_mismatch", deleted). None checks none.
+        deletions: the deletion log puts check (shared with the host tier above)."""
+        super().__init__(
+            model_digest,
+            config.capacity_bytes,
+            config.policy,
+            layout,
+            config.namespace_max_bytes,
+            deletions,
+        )
         self.config = config
         self.root = Path(config.root)
         make_private_dir(self.root)
@@ -170,6 +189,7 @@ class DiskStore(BoundedStore):
         # Keys being written -> their file size, reserved against the capacity until the
         # write ends (their sum is the reservation).
         self._pending: dict[str, int] = {}
+        self._pending_ns: dict[str, str] = {}  # their namespaces, for the caps
         # Set by abort_writes (shutdown): writes in flight stop, later ones are refused.
         self._abort = threading.Event()
         # time.monotonic() before which the lowered capacity is not checked for regrowth.
@@ -186,7 +206,9 @@ class DiskStore(BoundedStore):
         return self.root / name[:2] / name
 
     def _rebuild_index(self) -> None:
-        found: list[tuple[float, str, int]] = []
+        # Headers hold each record's namespace and token ids' digest: the index gets
+        # both, so deletions and caps work on records of earlier runs too.
+        found: list[tuple[float, str, int, str, str]] = []
         now = time.time()
         for sub in sorted(self.root.iterdir()):
             # Never through a link: a bad file found there would be deleted in its target.
@@ -220,10 +242,12 @@ class DiskStore(BoundedStore):
                 except OSError:
                     self._errors["unreadable"] += 1
                     continue
-                found.append((st.st_mtime, header.key, st.st_size))
+                found.append(
+                    (st.st_mtime, header.key, st.st_size, header.namespace, header.token_ids_hash)
+                )
         # Oldest files first, so recency order survives a restart approximately.
-        for mtime, key, size in sorted(found):
-            self._add_locked(key, size, mtime)
+        for mtime, key, size, namespace, content in sorted(found):
+            self._add_locked(key, size, mtime, namespace, content)
         if self._used > self._capacity:
             self._delete_files(self._evict_locked(self._used - self._capacity))
 
@@ -379,10 +403,16 @@ class DiskStore(BoundedStore):
     def writes_aborted(self) -> bool:
         return self._abort.is_set()
 
-    def put(self, record: ChunkKV) -> bool:
+    def put(self, record: ChunkKV, since: int | None = None) -> bool:
         """Write ``record``'s file (atomically) unless held or it does not fit; True when
         the file is there afterwards. After ``abort_writes``: False without writing, or
-        ``WriteCancelled`` from a write that the abort stopped (no file left)."""
+        ``WriteCancelled`` from a write that the abort stopped (no file left).
+
+        since: ``deletions.seq`` when the caller obtained ``record`` (a write-back queued
+        earlier; default now). A deletion logged after it that matches the record drops
+        it, also one logged while the file was being written (the file is removed)."""
+        if since is None:
+            since = self.deletions.seq
         if not self._accepts_model(record):
             return False
         if self._abort.is_set():
@@ -393,13 +423,20 @@ class DiskStore(BoundedStore):
             if record.key in self._entries or record.key in self._pending:
                 return True
         enc = encode_record(record, self.config.block_tokens)
+        content, ns = hash_token_ids(record.token_ids), record.namespace
         self._maybe_regrow()
         with self._lock:
             if record.key in self._entries or record.key in self._pending:
                 return True
-            evicted, fits = self._make_room_locked(sum(self._pending.values()) + enc.size)
+            if self._deleted_since_locked(since, ns, content):
+                return False
+            ns_pending = sum(n for k, n in self._pending.items() if self._pending_ns[k] == ns)
+            evicted, fits = self._make_room_locked(
+                sum(self._pending.values()) + enc.size, ns, ns_pending + enc.size
+            )
             if fits:
                 self._pending[record.key] = enc.size
+                self._pending_ns[record.key] = ns
         self._delete_files(evicted)
         if not fits:
             return False
@@ -414,12 +451,19 @@ class DiskStore(BoundedStore):
         except WriteCancelled:
             with self._lock:
                 del self._pending[record.key]
+                del self._pending_ns[record.key]
                 self._counts["cancelled_writes"] += 1
             raise
         with self._lock:
             del self._pending[record.key]
+            del self._pending_ns[record.key]
+            if err is None and self._deleted_since_locked(since, ns, content):
+                # Deleted while being written: the file goes (under the lock, so no
+                # later put of this key can have written it).
+                self._delete_files([(record.key, enc.size)], locked=True)
+                return False
             if err is None:
-                self._add_locked(record.key, enc.size)
+                self._add_locked(record.key, enc.size, namespace=ns, content=content)
                 self._counts["puts"] += 1
             else:
                 self._errors["write_error"] += 1
@@ -458,14 +502,23 @@ class DiskStore(BoundedStore):
             grown = self._used + sum(self._pending.values()) + free // 2
             self._capacity = min(self.config.capacity_bytes, max(self._capacity, grown))
 
-    def _delete_files(self, evicted: list[tuple[str, int]]) -> None:
+    def _delete_files(self, evicted: list[tuple[str, int]], locked: bool = False) -> None:
         # Unlinking is safe under open readers: their mmap keeps the inode alive.
         for key, _ in evicted:
             try:
                 self.path_of(key).unlink(missing_ok=True)
             except OSError:
-                with self._lock:
+                if locked:
                     self._errors["unlink_error"] += 1
+                else:
+                    with self._lock:
+                        self._errors["unlink_error"] += 1
+
+    def _dropped_locked(self, keys: list[str]) -> None:
+        # Deleted files go under the lock: a put of the same key (the tenant sent the
+        # document again) cannot have written its new file yet, so it is never the one
+        # removed. Open readers keep the old inode until they close it.
+        self._delete_files([(k, 0) for k in keys], locked=True)
 
     def evict(self, nbytes: int) -> EvictResult:
         with self._lock:

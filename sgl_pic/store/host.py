@@ -17,10 +17,12 @@ from sgl_pic.store.base import (
     EvictResult,
     LayerKV,
     RecordLayout,
+    hash_token_ids,
     layer_offsets,
     normalize_indices,
     register_store,
 )
+from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.eviction import BoundedStore, check_policy
 from sgl_pic.store.format import WriteCancelled
 from sgl_pic.worker_threads import start_thread
@@ -40,6 +42,8 @@ class HostStoreConfig:
                      "on_put" soon after each new record arrives (write-through, off the
                      critical path), "on_evict" only when evicted (demotion).
     write_back_queue: jobs the background writer may have pending; more are dropped.
+    namespace_max_bytes: payload bytes one namespace (tenant) may hold, 0 for no cap
+                     (``sgl_pic.store.eviction``: fair share).
     """
 
     capacity_bytes: int
@@ -47,6 +51,7 @@ class HostStoreConfig:
     pin_memory: bool = True
     write_back: str = "on_put"
     write_back_queue: int = 64
+    namespace_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
@@ -58,6 +63,8 @@ class HostStoreConfig:
             )
         if self.write_back_queue < 1:
             raise ValueError(f"write_back_queue must be >= 1, got {self.write_back_queue}")
+        if self.namespace_max_bytes < 0:
+            raise ValueError(f"namespace_max_bytes must be >= 0, got {self.namespace_max_bytes}")
 
 
 @register_store
@@ -67,8 +74,14 @@ class HostStore(BoundedStore):
 
     write_back_to: a sink (e.g. ``DiskStore.put``) that a background thread feeds with
                    records per ``config.write_back``; ``flush`` waits for it.
+    write_back_since_to: instead of ``write_back_to``, a sink also given the deletion
+                   sequence number (``deletions.seq``) at which the write was queued,
+                   e.g. ``DiskStore.put``'s ``since``, so a deletion racing the write is
+                   still seen by the sink.
     on_evict:      called with each evicted record, outside the store's lock, in the
                    evicting thread; it must not block for long.
+    deletions:     the deletion log (shared with the sink's tier); a write-back of a
+                   record a later deletion matches is dropped when it runs.
     """
 
     name: ClassVar[str] = "host"
@@ -80,15 +93,29 @@ class HostStore(BoundedStore):
         write_back_to: Callable[[ChunkKV], object] | None = None,
         on_evict: Callable[[ChunkKV], None] | None = None,
         layout: RecordLayout | None = None,
+        write_back_since_to: Callable[[ChunkKV, int], object] | None = None,
+        deletions: DeletionLog | None = None,
     ) -> None:
         """layout: the KV layout every record must have; another is refused on put."""
-        super().__init__(model_digest, config.capacity_bytes, config.policy, layout)
+        super().__init__(
+            model_digest,
+            config.capacity_bytes,
+            config.policy,
+            layout,
+            config.namespace_max_bytes,
+            deletions,
+        )
+        if write_back_to is not None and write_back_since_to is not None:
+            raise ValueError("give write_back_to or write_back_since_to, not both")
         self.config = config
         self._on_evict = on_evict
-        self._sink = write_back_to
+        self._sink: Callable[[ChunkKV, int], object] | None = write_back_since_to
+        if write_back_to is not None:
+            plain = write_back_to
+            self._sink = lambda record, _since: plain(record)
         self._writer = (
             None
-            if write_back_to is None
+            if self._sink is None
             else WriteBack(WriteBackConfig(config.write_back_queue), "sgl-pic-host-writeback")
         )
         self._pin = config.pin_memory and torch.cuda.is_available()
@@ -147,11 +174,18 @@ class HostStore(BoundedStore):
     def put(self, record: ChunkKV) -> bool:
         return self.insert(record, write_back=True)
 
-    def insert(self, record: ChunkKV, write_back: bool) -> bool:
+    def insert(self, record: ChunkKV, write_back: bool, since: int | None = None) -> bool:
         """``put`` with a choice: ``write_back=False`` for records that came from the
-        sink's tier (a promotion), which need not be written there again on put."""
+        sink's tier (a promotion), which need not be written there again on put.
+
+        since: ``deletions.seq`` when the caller obtained ``record`` (a promotion queued
+        earlier); a deletion logged after it that matches drops the record (False).
+        Default: now."""
+        if since is None:
+            since = self.deletions.seq
         if not self._accepts_model(record):
             return False
+        content = hash_token_ids(record.token_ids)
         with self._lock:
             if record.key in self._entries:
                 return True
@@ -173,10 +207,14 @@ class HostStore(BoundedStore):
         with self._lock:
             if record.key in self._entries:
                 return True
-            evicted, ok = self._make_room_locked(own.nbytes)
+            if self._deleted_since_locked(since, record.namespace, content):
+                return False
+            evicted, ok = self._make_room_locked(own.nbytes, record.namespace)
             dropped = self._pop_records_locked(evicted)
             if ok:
-                self._add_locked(record.key, own.nbytes)
+                self._add_locked(
+                    record.key, own.nbytes, namespace=record.namespace, content=content
+                )
                 self._records[record.key] = own
                 self._counts["puts"] += 1
         if ok and write_back and self.config.write_back == "on_put":
@@ -185,9 +223,25 @@ class HostStore(BoundedStore):
         return ok
 
     def _write_back(self, record: ChunkKV) -> None:
-        if self._writer is not None and self._sink is not None:
-            sink = self._sink
-            self._writer.submit(lambda: sink(record))
+        """Queue ``record`` for the sink; the job drops it if a deletion logged after now
+        matches it by the time it runs (the sink, given ``since``, checks again)."""
+        if self._writer is None or self._sink is None:
+            return
+        sink, since = self._sink, self.deletions.seq
+
+        def job() -> None:
+            content = lambda: hash_token_ids(record.token_ids)  # noqa: E731
+            if self.deletions.covers(since, record.namespace, content):
+                with self._lock:
+                    self._counts["deleted_in_flight"] += 1
+                return
+            sink(record, since)
+
+        self._writer.submit(job)
+
+    def _dropped_locked(self, keys: list[str]) -> None:
+        for key in keys:
+            self._records.pop(key, None)
 
     def flush(self) -> None:
         """Wait until every write-back submitted so far has run (tests, shutdown)."""
