@@ -88,7 +88,6 @@ def build_tree_cache(ctx: Any) -> Any:
     settings = PicServerSettings.from_env()
     vocab_size = int(ctx.model_config.vocab_size)
     metrics = PicMetrics()
-    metrics.enable_namespaces(settings.namespace_metrics)
     # Checked before anything is built: a model or backend the method does not cover is
     # served exactly, with reuse off, a log line and a metric.
     support = check_support(ctx)
@@ -111,6 +110,7 @@ def build_tree_cache(ctx: Any) -> Any:
         from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
         return default_radix_cache_factory(ctx)
+    metrics.enable_namespaces(settings.namespace_metrics)
     cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     # Every chunk is stored with a ranking made at the server's alpha (a setting no
     # request can override), so the alpha is part of every key.
@@ -306,6 +306,7 @@ def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = Non
             settings.disk_cache_dir,
             settings.disk_cache_mb * 2**20,
             policy=settings.eviction,
+            namespace_max_bytes=settings.namespace_disk_mb * 2**20,
         )
         write_back = "on_put"
     else:
@@ -315,6 +316,7 @@ def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = Non
         settings.host_cache_mb * 2**20,
         policy=settings.eviction,
         write_back=write_back,
+        namespace_max_bytes=settings.namespace_host_mb * 2**20,
     )
     # Disk hits enter host memory only when it exists; a zero-capacity host tier would
     # make every promotion a wasted full read.
