@@ -4,9 +4,13 @@
   a running request holds frees its slots when that request lets go;
 - SGLang's prefix tree: chunked requests leave their prompt's KV, chunks included, in our
   namespaces of the tree (``gate.namespace``), keyed by position, not by chunk. SGLang
-  0.5.23's tree core offers no walk by namespace, so every unlocked node of the tree is
-  evicted through SGLang's own eviction (the path memory pressure takes, which keeps its
-  accounting): other tenants lose prefix hits once, and no deleted KV stays findable;
+  0.5.23's tree core offers no walk by namespace and cannot evict a node a running
+  request holds, so each deletion bumps ``generation``, which the gate puts in the tree
+  namespace of every chunked request admitted after it: no later request can match a
+  node made before (held, or inserted when its request finishes). Every unlocked node of
+  the tree is also evicted at once through SGLang's own eviction (the path memory pressure
+  takes, which keeps its accounting), so the old nodes' slots come back now rather than
+  when LRU reaches them. Every tenant's chunked requests lose their prefix hits once;
 - the host, disk and shared tiers (``TieredStore.delete``), which also drop queued work
   carrying deleted records.
 
@@ -53,10 +57,13 @@ class Deleter:
         self.tree = tree
         self.store = store
         self.metrics = metrics
+        # Deletions applied so far: the gate names chunked requests' tree namespaces by it.
+        self.generation = 0
 
     def execute(self, deletion: Deletion) -> dict[str, Any]:
         """Applies ``deletion`` everywhere; the report (JSON-ready): per tier the records
         removed and their size, and the prefix-tree tokens evicted."""
+        self.generation += 1
         dev = self.nodes.delete(deletion)
         tiers: dict[str, dict[str, int]] = {
             "device": {
@@ -81,6 +88,8 @@ class Deleter:
         if self.store is None:
             return 0
         removed = 0
+        # ``generation`` stays: the log is read per rank, at times of its own, and the
+        # ranks' prefix trees must name requests alike.
         for deletion in self.store.sync_deletions():
             removed += self.nodes.delete(deletion).records
         if removed and self.metrics is not None:

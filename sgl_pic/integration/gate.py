@@ -73,15 +73,24 @@ class Pending:
     readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
 
 
-def namespace(config: PicConfig, user_key: str | None, calibrated_r: bool = False) -> str:
+def namespace(
+    config: PicConfig, user_key: str | None, calibrated_r: bool = False, generation: int = 0
+) -> str:
     """The prefix-tree namespace (SGLang's ``extra_key``) of a chunked request.
     ``calibrated_r``: CacheTune's r is the server's calibrated r of the slowest tier the
     request reuses from (``planner.calibrated``), known only when its batch runs; such
     requests make one approximation, "calibrated", whatever r the config names (a config
-    r of 1.0 would otherwise claim the exact namespace)."""
+    r of 1.0 would otherwise claim the exact namespace).
+    ``generation``: deletions executed so far (``Deleter.generation``). Each deletion moves
+    every chunked request to fresh namespaces, so no later request matches a tree node
+    made before it, not even one a running request still holds (SGLang cannot evict a
+    locked node) or inserts when it finishes. It stands before the first "|", which
+    no approximation key holds, so no client key can imitate it."""
     key = config.approximation_key()
     if calibrated_r:
         key = f"cachetune,calibrated,{config.cachetune_alpha!r}"
+    if generation:
+        key = f"{key}@{generation}"
     return f"{INTERNAL_PREFIX}:{key}|{user_key or ''}"
 
 
@@ -222,7 +231,8 @@ class AdmissionGate:
             and config.policy == "cachetune"
             and "cachetune_r" not in pic.overrides
         )
-        req.extra_key = namespace(config, extra, calibrated)
+        generation = self.deleter.generation if self.deleter is not None else 0
+        req.extra_key = namespace(config, extra, calibrated, generation)
         setattr(req, PENDING_ATTR, Pending(pic, tuple(ids), own, readable))
         return None
 

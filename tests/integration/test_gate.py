@@ -8,6 +8,9 @@ from typing import Any
 import pytest
 
 from sgl_pic.config import PicConfig
+from sgl_pic.integration import delete_command
+from sgl_pic.integration.chunk_nodes import ChunkNodeTable
+from sgl_pic.integration.deleter import Deleter
 from sgl_pic.integration.gate import (
     PENDING_ATTR,
     UNTRUSTED_NAMESPACE,
@@ -16,7 +19,10 @@ from sgl_pic.integration.gate import (
 )
 from sgl_pic.integration.metrics import PicMetrics
 from sgl_pic.integration.spans import MAC_KEY, MarkSigner, encode
+from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
+from sgl_pic.store.deletion import Deletion
+from tests.integration.fakes import FakeAllocator
 
 VOCAB = 100
 SIGNER = MarkSigner("secret")
@@ -278,8 +284,6 @@ def refused(metrics: PicMetrics, reason: str) -> float:
 def test_a_signed_deletion_order_is_executed_and_refused_with_its_report(
     metrics: PicMetrics,
 ) -> None:
-    from sgl_pic.integration import delete_command
-    from sgl_pic.store.deletion import Deletion
 
     deleter = RecordingDeleter()
     g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter)
@@ -295,8 +299,6 @@ def test_a_signed_deletion_order_is_executed_and_refused_with_its_report(
 def test_a_forged_deletion_order_is_refused_counted_and_never_executed(
     metrics: PicMetrics, forgery: str
 ) -> None:
-    from sgl_pic.integration import delete_command
-    from sgl_pic.store.deletion import Deletion
 
     deleter = RecordingDeleter()
     g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter)
@@ -322,8 +324,6 @@ def test_a_forged_deletion_order_is_refused_counted_and_never_executed(
 
 
 def test_a_deletion_order_is_refused_where_reuse_is_off(metrics: PicMetrics) -> None:
-    from sgl_pic.integration import delete_command
-    from sgl_pic.store.deletion import Deletion
 
     custom = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
     # No secret in this process: nothing is signed, so nothing executes.
@@ -335,8 +335,6 @@ def test_a_deletion_order_is_refused_where_reuse_is_off(metrics: PicMetrics) -> 
 
 
 def test_a_deletion_that_fails_is_refused_not_run(metrics: PicMetrics) -> None:
-    from sgl_pic.integration import delete_command
-    from sgl_pic.store.deletion import Deletion
 
     class Failing:
         def execute(self, deletion: Any) -> dict[str, Any]:
@@ -346,3 +344,24 @@ def test_a_deletion_that_fails_is_refused_not_run(metrics: PicMetrics) -> None:
     custom = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
     message = g.admit(req([0], custom))
     assert message is not None and "disk gone" in message
+
+
+def test_after_a_deletion_chunked_requests_take_fresh_tree_namespaces(
+    metrics: PicMetrics,
+) -> None:
+
+    table = ChunkNodeTable(FakeAllocator(8), ModelFingerprint(model_id="m", dtype="f32"), 4, 8)
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=Deleter(table))
+    spans = [[0, 5], [5, 12]]
+    before = req(IDS, signed(IDS, spans), "user")
+    assert g.admit(before) is None
+    order = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
+    assert g.admit(req([0], order)) is not None
+    after = req(IDS, signed(IDS, spans), "user")
+    assert g.admit(after) is None
+    # Nodes the earlier request made (or still holds) cannot be matched by later ones.
+    assert before.extra_key != after.extra_key
+    assert after.extra_key == namespace(CONFIG, "user", generation=1)
+    # No client key imitates a generation: it stands before the first "|".
+    assert namespace(CONFIG, "user") != namespace(CONFIG, None, generation=1)
+    assert after.extra_key != namespace(CONFIG, "@1|user")

@@ -347,3 +347,31 @@ def test_a_deletion_evicts_the_unlocked_tree_and_keeps_sglangs_sizes(page_size: 
     assert t.protected_tokens == 0 and env.held(CHUNK_X) == [True, True]
     c.unlock(tree_lock)
     env.conserved()
+
+
+def test_a_node_a_running_request_holds_is_not_matched_after_a_deletion() -> None:
+    """SGLang cannot evict a locked node; the deletion's fresh namespace makes it
+    unreachable for every later request instead (``gate.namespace``)."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.integration.deleter import Deleter
+    from sgl_pic.integration.gate import namespace
+    from sgl_pic.store.deletion import Deletion
+
+    env = Env(1)
+    deleter = Deleter(env.table, env.cache)
+    old = namespace(PicConfig(), "tenant", generation=deleter.generation)
+    slots = env.alloc.alloc(len(TREE_B))
+    env.cache.insert(InsertParams(key=RadixKey(array("q", TREE_B), old), value=slots))
+    m = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", TREE_B), old)))
+    lock = env.cache.lock(m.last_device_node)  # the running request's
+    deleter.execute(Deletion(namespaces=frozenset({""})))
+    env.conserved()
+    assert env.sgl_protected() == len(TREE_B)  # still held
+    new = namespace(PicConfig(), "tenant", generation=deleter.generation)
+    again = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", TREE_B), new)))
+    assert again.device_prefix_len == 0
+    # It is there all the same: the old namespace would still match it.
+    stale = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", TREE_B), old)))
+    assert stale.device_prefix_len == len(TREE_B)
+    env.cache.unlock(lock)
+    env.conserved()
