@@ -206,3 +206,43 @@ def test_record_header_carries_the_tombstones_its_writer_had_applied(tmp_path: P
         path = tmp_path / f"{seen}.sglkv"
         write_record(path, encode_record(r, 32, seen))
         assert read_header(path, MODEL).tombstones_seen == seen
+
+
+def test_deletion_made_while_the_store_is_down_reaches_the_others_when_it_is_back(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    from tests.store.shared_helpers import start_service
+
+    svc = start_service()
+    a, b = server(tmp_path / "a", svc.url), server(tmp_path / "b", svc.url)
+    assert a.shared is not None
+    try:
+        doc = rec(141, NS_A)
+        a.put(doc)
+        a.flush()
+        hold_everywhere(b, doc)
+        svc.kill()
+        a.shared._headers.clear()  # force a round trip to the dead store
+        assert a.shared.get(doc.key) is None  # finds the store down
+        report = a.delete(Deletion(namespaces=frozenset({NS_A})))
+        assert report["host"].records == 1 and report["disk"].records == 1
+        assert a.shared.unsent_deletions() == 1
+        svc.start()
+        deadline = time.monotonic() + 30
+        while a.shared.unsent_deletions() and time.monotonic() < deadline:
+            a.shared.contains(doc.key)  # a probe once the retry period has passed
+            a.sync_deletions()  # retries the tombstone
+            time.sleep(0.2)
+        assert a.shared.unsent_deletions() == 0
+        found: tuple[Deletion, ...] = ()
+        while not found and time.monotonic() < deadline:  # b finds the store back too
+            found = b.sync_deletions()
+            time.sleep(0.2)
+        assert found == (Deletion(namespaces=frozenset({NS_A})),)
+        assert b.locate(doc.key) is None
+    finally:
+        a.close()
+        b.close()
+        svc.stop()
