@@ -162,8 +162,10 @@ class SharedStore(ChunkStore):
     def contains(self, key: str) -> bool:
         with self._lock:
             header = self._headers.get(key)
-        if header is not None and not self.deletions.covers(header):
-            return True
+        if header is not None:
+            if not self.deletions.covers(header):
+                return True
+            self._forget(key)  # deleted since it was read; the store may hold a newer one
         try:
             return self.link.call(lambda b: b.exists([key])[0])
         except (BackendUnavailable, BackendError):
@@ -194,42 +196,55 @@ class SharedStore(ChunkStore):
             self.link.call(lambda b: b.remove(key))
 
     def _header(self, key: str, token_ids: Sequence[int] | None) -> RecordHeader | None:
-        """The key's checked header (cached), or None on a miss or a bad object (counted).
-        Raises BackendUnavailable."""
-        with self._lock:
-            header = self._headers.get(key)
-            if header is not None:
-                self._headers.move_to_end(key)
-        if header is None:
-            size = self.link.call(lambda b: b.size(key))
-            if size is None:
-                return None
-            head = self.link.call(lambda b: b.read_ranges(key, [(0, min(size, _HEAD_READ))]))
-            if head is None:
-                return None
+        """The key's checked header (cached), or None on a miss, a bad object (counted) or
+        a record a deletion tombstone covers (counted "tombstoned", removed). Raises
+        BackendUnavailable."""
+        for attempt in range(2):
+            with self._lock:
+                header = self._headers.get(key)
+                if header is not None:
+                    self._headers.move_to_end(key)
+            cached = header is not None
+            if header is None:
+                header = self._fetch_header(key)
+                if header is None:
+                    return None
             try:
-                header = self._parse(key, head.tobytes(), size)
-            except (StoreError, BackendError) as exc:
+                _check_expectations(header, self.model_digest, key, token_ids)
+                if self.layout is not None:
+                    self.layout.check_header(header)
+            except StoreError as exc:  # other tokens, another key, or another KV layout
                 self._bad(key, exc)
                 return None
-            with self._lock:
-                self._headers[key] = header
-                while len(self._headers) > self.config.header_cache:
-                    self._headers.popitem(last=False)
-        try:
-            _check_expectations(header, self.model_digest, key, token_ids)
-            if self.layout is not None:
-                self.layout.check_header(header)
-        except StoreError as exc:  # other tokens, another key, or another KV layout
-            self._bad(key, exc)
-            return None
-        if self.deletions.covers(header):
+            if not self.deletions.covers(header):
+                return header
+            self._forget(key)
+            if cached and not attempt:
+                continue  # cached before the tombstone: the object may be a newer one now
             # Written before a deletion that covers it: a miss, and the object goes.
             self._count("tombstoned")
-            self._forget(key)
             with contextlib.suppress(BackendUnavailable, BackendError):
                 self.link.call(lambda b: b.remove(key))
             return None
+        return None
+
+    def _fetch_header(self, key: str) -> RecordHeader | None:
+        """The header read from the store and cached; None on a miss or a bad object."""
+        size = self.link.call(lambda b: b.size(key))
+        if size is None:
+            return None
+        head = self.link.call(lambda b: b.read_ranges(key, [(0, min(size, _HEAD_READ))]))
+        if head is None:
+            return None
+        try:
+            header = self._parse(key, head.tobytes(), size)
+        except (StoreError, BackendError) as exc:
+            self._bad(key, exc)
+            return None
+        with self._lock:
+            self._headers[key] = header
+            while len(self._headers) > self.config.header_cache:
+                self._headers.popitem(last=False)
         return header
 
     def _parse(self, key: str, head: bytes, size: int) -> RecordHeader:
