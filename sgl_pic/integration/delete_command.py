@@ -97,6 +97,19 @@ def parse_report(message: str) -> dict[str, Any] | None:
     return out if isinstance(out, dict) else None
 
 
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reports of several data-parallel replicas as one: every count summed."""
+    tiers: dict[str, dict[str, int]] = {}
+    evicted = 0
+    for report in reports:
+        evicted += int(report.get("prefix_tree_evicted_tokens", 0))
+        for tier, counts in report.get("tiers", {}).items():
+            into = tiers.setdefault(tier, {})
+            for k, v in counts.items():
+                into[k] = into.get(k, 0) + int(v)
+    return {"tiers": tiers, "prefix_tree_evicted_tokens": evicted}
+
+
 def parse_body(
     obj: Any,
     tokenize: Callable[[str], list[int]],

@@ -19,7 +19,8 @@ custom params) before SGLang sees it. What a client can get wrong is answered he
 - ``pic`` on /v1/completions, which does not carry chunk marks (400).
 
 The scheduler checks the same rules again where the work happens (``gate.py``); the edge
-only gives clients a clear answer early.
+only gives clients a clear answer early. ``install`` also adds the operator's deletion
+endpoint, POST /pic/delete (``delete_http``).
 
 Request forms (single requests; a batch with chunk marks is refused):
   {"input_ids": [...], "pic": {"chunks": [[s, e], ...], "config": {...}}, ...}

@@ -4,6 +4,7 @@ SGLang's launcher adds it), the internal request replaced by a stand-in gate."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,13 +32,18 @@ class Scheduler:
     """Stands in for the gate on the far side of the tokenizer manager: opens the order
     with the launch's signer and answers with a report, as ``AdmissionGate`` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, replicas: int = 1) -> None:
         self.orders: list[Deletion] = []
+        self.replicas = replicas
 
-    async def submit(self, custom: dict[str, Any]) -> str | None:
-        order = delete_command.decode(custom, SIGNER)
-        self.orders.append(order)
-        return delete_command.report_message({"tiers": {"device": {"records": 2}}})
+    async def submit(self, custom: dict[str, Any]) -> list[str | None]:
+        out: list[str | None] = []
+        for _ in range(self.replicas):
+            order = delete_command.decode(custom, SIGNER)
+            self.orders.append(order)
+            report = {"tiers": {"device": {"records": 2}}, "prefix_tree_evicted_tokens": 5}
+            out.append(delete_command.report_message(report))
+        return out
 
 
 def client(
@@ -67,7 +73,10 @@ def test_a_deletion_answers_with_the_schedulers_report(monkeypatch: pytest.Monke
     c, sched = client(monkeypatch)
     r = post(c, {"namespace": {"extra_key": "A"}, "text": "hello world"})
     assert r.status_code == 200, r.text
-    assert r.json() == {"deleted": {"tiers": {"device": {"records": 2}}}}
+    assert r.json() == {
+        "deleted": {"tiers": {"device": {"records": 2}}, "prefix_tree_evicted_tokens": 5},
+        "replicas": 1,
+    }
     (order,) = sched.orders
     assert order.namespaces is not None and order.contents is not None
 
@@ -133,13 +142,66 @@ def test_guarded_as_sglangs_admin_endpoints(
 def test_a_refusal_that_is_no_report_is_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
     c, _ = client(monkeypatch)
 
-    async def unavailable(custom: dict[str, Any]) -> str | None:
-        return "deletion unavailable: chunk reuse is off on this server"
+    async def unavailable(custom: dict[str, Any]) -> list[str | None]:
+        return ["deletion unavailable: chunk reuse is off on this server"]
 
-    async def ran(custom: dict[str, Any]) -> str | None:
-        return None
+    async def ran(custom: dict[str, Any]) -> list[str | None]:
+        return [None]
 
-    for submit, words in ((unavailable, "unavailable"), (ran, "did not execute")):
+    for submit, words in ((unavailable, "unavailable"), (ran, "not active")):
         monkeypatch.setattr(delete_http, "submit_internal", submit)
         r = post(c, {"namespace": {}})
         assert r.status_code == 503 and words in r.json()["error"]["message"]
+
+
+def test_every_data_parallel_replica_deletes_and_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    c, _ = client(monkeypatch)
+    sched = Scheduler(replicas=3)
+    monkeypatch.setattr(delete_http, "submit_internal", sched.submit)
+    r = post(c, {"namespace": {}})
+    assert r.status_code == 200 and len(sched.orders) == 3
+    assert r.json() == {
+        "deleted": {"tiers": {"device": {"records": 6}}, "prefix_tree_evicted_tokens": 15},
+        "replicas": 3,
+    }
+
+    async def one_missing(custom: dict[str, Any]) -> list[str | None]:
+        return [*(await sched.submit(custom))[:1], None]
+
+    monkeypatch.setattr(delete_http, "submit_internal", one_missing)
+    r = post(c, {"namespace": {}})
+    assert r.status_code == 503 and "replica 1" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_order_rides_one_internal_request_per_replica(
+    monkeypatch: pytest.MonkeyPatch, replicas: int
+) -> None:
+    """``submit_internal`` on a stand-in tokenizer manager that refuses as SGLang's does
+    (a ValueError carrying the gate's message)."""
+    import asyncio
+
+    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+    from sglang.srt.entrypoints import http_server
+
+    sent: list[Any] = []
+
+    class Manager:
+        elastic_worker_count = replicas
+
+        async def generate_request(self, obj: Any, request: Any) -> Any:
+            sent.append(obj)
+            raise ValueError(f"refused on {obj.routed_dp_rank}")
+            yield  # an async generator, as SGLang's
+
+    monkeypatch.setattr(
+        http_server, "get_global_state", lambda: SimpleNamespace(tokenizer_manager=Manager())
+    )
+    custom = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
+    out = asyncio.run(delete_http.submit_internal(custom))
+    ranks = [None] if replicas == 1 else list(range(replicas))
+    assert out == [f"refused on {r}" for r in ranks]
+    assert [o.routed_dp_rank for o in sent] == ranks
+    assert all(o.sampling_params["custom_params"] == custom and o.input_ids == [0] for o in sent)
