@@ -28,8 +28,6 @@ among them). ``stats().capacity_bytes`` is the effective capacity.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import stat
 import threading
@@ -51,59 +49,31 @@ from sgl_pic.store.base import (
     register_store,
 )
 from sgl_pic.store.deletion_log import DeletionLog
+from sgl_pic.store.disk_files import (
+    FULL,
+    NO_SPACE,
+    bad_file_kind,
+    remove_bad,
+    remove_stale_tmp,
+)
 from sgl_pic.store.errors import (
-    BadMagicError,
     CorruptRecordError,
-    ForeignModelError,
-    LayoutMismatchError,
     RecordShapeError,
     StoreError,
-    TokenMismatchError,
-    TruncatedRecordError,
-    UnsupportedFormatError,
 )
 from sgl_pic.store.eviction import BoundedStore, check_policy
 from sgl_pic.store.format import (
     SUFFIX,
     TMP_PREFIX,
-    NotRegularFileError,
     RecordFile,
     RecordHeader,
-    TmpOwner,
     WriteCancelled,
     encode_record,
     file_name,
-    is_local_owner,
     read_header,
-    tmp_owner,
     write_record,
 )
 from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
-
-# Counted as "enospc": the device is full, a quota is spent, or the process's file-size
-# limit is reached; each means this record cannot be written now.
-_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-# Of those, the ones that mean the file system is full, so that evicting our own files
-# makes room. EFBIG is a per-file limit (RLIMIT_FSIZE, the file system's largest file):
-# evicting other records cannot lift it, so it lowers no capacity.
-_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-# (error kind in stats, delete the file?). Foreign and newer files may belong to another
-# model or a newer binary sharing the directory, so they are skipped, not deleted. The
-# first matching class counts, so subclasses come before their bases.
-_BAD_FILE: dict[type[StoreError], tuple[str, bool]] = {
-    NotRegularFileError: ("not_regular", True),
-    # Our model's fingerprint, yet not our pool's KV layout: no server of this fingerprint
-    # can use it, so it goes (its key stays free for the recomputed chunk).
-    LayoutMismatchError: ("layout_mismatch", True),
-    BadMagicError: ("corrupt", True),
-    CorruptRecordError: ("corrupt", True),
-    TruncatedRecordError: ("truncated", True),
-    TokenMismatchError: ("token_mismatch", True),
-    ForeignModelError: ("foreign_model", False),
-    UnsupportedFormatError: ("newer_format", False),
-}
 
 
 @dataclass(frozen=True)
@@ -258,36 +228,17 @@ class DiskStore(BoundedStore):
         return header
 
     def _remove_stale_tmp(self, path: Path, now: float) -> None:
-        try:
-            owner = tmp_owner(path.name)
-            old = now - path.stat().st_mtime > self.config.stale_tmp_seconds
-            if old or (owner is not None and _writer_is_gone(owner)):
-                path.unlink()
-                self._errors["leftover_tmp"] += 1
-        except OSError:
-            pass
+        if remove_stale_tmp(path, now, self.config.stale_tmp_seconds):
+            self._errors["leftover_tmp"] += 1
 
     def _count_bad(self, exc: StoreError, path: Path) -> None:
-        kind, delete = next(
-            (v for cls, v in _BAD_FILE.items() if isinstance(exc, cls)), ("corrupt", True)
-        )
+        kind, delete = bad_file_kind(exc)
         self._errors[kind] += 1
         if delete:
             self._remove_bad(path)
 
     def _remove_bad(self, path: Path) -> None:
-        """Remove what sits at a bad record's path, never anything it leads to: a symlink
-        goes, its target stays; a directory goes only when empty (its contents are not
-        ours to judge), else stays, uncounted, to be skipped again."""
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-                return
-            path.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
-        except OSError:
+        if not remove_bad(path):
             self._errors["unlink_error"] += 1
 
     def _begin_read(self, key: str) -> Path | None:
@@ -467,9 +418,9 @@ class DiskStore(BoundedStore):
                 self._counts["puts"] += 1
             else:
                 self._errors["write_error"] += 1
-                if err.errno in _NO_SPACE:
+                if err.errno in NO_SPACE:
                     self._errors["enospc"] += 1
-                if err.errno in _FULL:
+                if err.errno in FULL:
                     self._lower_capacity_locked()
         return err is None
 
@@ -525,17 +476,3 @@ class DiskStore(BoundedStore):
             evicted = self._evict_locked(nbytes)
         self._delete_files(evicted)
         return EvictResult(tuple(k for k, _ in evicted), sum(n for _, n in evicted))
-
-
-def _writer_is_gone(owner: TmpOwner) -> bool:
-    """Whether the process that named a temp file has ended (checked on this host only;
-    another host's or a live process's file is left to the age rule)."""
-    if not is_local_owner(owner) or owner.pid == os.getpid():
-        return False
-    try:
-        os.kill(owner.pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False  # e.g. EPERM: the process exists under another user
-    return False

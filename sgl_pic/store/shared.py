@@ -80,6 +80,7 @@ from sgl_pic.store.object_backend import (
     StoreAddress,
     make_backend,
 )
+from sgl_pic.store.shared_backfill import Backfill
 from sgl_pic.store.shared_deletion import Known, SharedDeletions
 from sgl_pic.store.shared_read import read_blocks
 from sgl_pic.store.store_link import LinkConfig, LinkStats, StoreLink
@@ -151,12 +152,20 @@ class SharedStore(ChunkStore):
         self._counts: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
         self._on_write: Callable[[], None] | None = None
-        self._missed: OrderedDict[str, None] = OrderedDict()
-        self._source: Callable[[str], ChunkKV | None] | None = None
-        self.link.on_recover(self._backfill)
         self.deletions = SharedDeletions(
             self.link, config.tombstones_kept, config.header_cache, self._known, self._forget
         )
+        self.backfill = Backfill(
+            config.backfill_keys,
+            self.model_digest,
+            config.block_tokens,
+            self.link,
+            self.deletions,
+            self._writer.submit,
+            self._count,
+            self._notify_write,
+        )
+        self.link.on_recover(self.backfill.on_recover)
 
     # ------------------------------------------------------------------ reads
     def contains(self, key: str) -> bool:
@@ -403,7 +412,7 @@ class SharedStore(ChunkStore):
                 return False
         if not self.link.stats().up:
             self._count("writes_skipped")
-            self._remember(record.key)
+            self.backfill.remember(record.key)
             return False
         # Taken now, in the caller's order with the deletions it applies: the write is
         # dropped if a deletion made after now matches, and its header tells readers
@@ -444,7 +453,7 @@ class SharedStore(ChunkStore):
                     self.deletions.wrote(record.key, record.namespace, content, record.nbytes)
             except BackendUnavailable:
                 self._count("write_failed")
-                self._remember(record.key)
+                self.backfill.remember(record.key)
                 raise
             except BackendError:
                 self._count("write_failed")
@@ -452,9 +461,7 @@ class SharedStore(ChunkStore):
             finally:
                 with self._lock:
                     self._pending.discard(record.key)
-                    listener = self._on_write
-                if listener is not None:
-                    listener()
+                self._notify_write()
 
         if not self._writer.submit(write):
             with self._lock:
@@ -466,66 +473,13 @@ class SharedStore(ChunkStore):
         """Where the backfill after an outage reads a remembered key's record from (this
         server's own tiers; None when they no longer hold it). Called from the writer
         thread; it must not raise."""
-        with self._lock:
-            self._source = source
+        self.backfill.set_source(source)
 
-    def _remember(self, key: str) -> None:
-        with self._lock:
-            self._missed[key] = None
-            self._missed.move_to_end(key)
-            while len(self._missed) > self.config.backfill_keys:
-                self._missed.popitem(last=False)
-
-    def _backfill(self) -> None:
-        """The store is back: one queued job writes the remembered keys still held here."""
-        with self._lock:
-            if self._source is None or not self._missed:
-                return
-        if not self._writer.submit(self._run_backfill):
-            logger.warning("sgl_pic: shared write queue full; backfill waits for the next outage")
-
-    def _run_backfill(self) -> None:
-        # Before any record is read: what is deleted after this is dropped below, and
-        # the headers name the tombstones applied before this.
-        since, seen = self.deletions.marks()
-        with self._lock:
-            keys, self._missed = list(self._missed), OrderedDict()
-            source = self._source
-        assert source is not None
-        written = 0
-        for i, key in enumerate(keys):
-            record = source(key)
-            if record is None or record.model_digest != self.model_digest:
-                continue  # no longer held here: nothing to give
-            content = hash_token_ids(record.token_ids)
-            if self.deletions.dropped(since, record.namespace, content):
-                self._count("deleted_in_flight")
-                continue
-            try:
-                enc = encode_record(record, self.config.block_tokens, seen)
-                outcome = self.link.call(
-                    lambda b, r=record, e=enc: b.put_if_absent(r.key, [e.head, *e.areas]),
-                    background=True,
-                )
-            except BackendUnavailable:
-                for rest in keys[i:]:
-                    self._remember(rest)  # down again: the rest wait for the next recovery
-                self._count("write_failed")
-                break
-            except BackendError:
-                self._count("write_failed")
-                continue
-            self._count("stored" if outcome is PutOutcome.STORED else "present")
-            if outcome is PutOutcome.STORED:
-                self.deletions.wrote(record.key, record.namespace, content, record.nbytes)
-            written += outcome is PutOutcome.STORED
-        self._count("backfilled", written)
+    def _notify_write(self) -> None:
         with self._lock:
             listener = self._on_write
         if listener is not None:
             listener()
-        if written:
-            logger.info("sgl_pic: shared store back; %d skipped segment(s) written", written)
 
     # --------------------------------------------------------------- deletion
     def set_deletions(self, log: DeletionLog) -> None:

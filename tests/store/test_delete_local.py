@@ -184,3 +184,24 @@ def test_promotion_of_a_record_deleted_after_its_read_is_dropped(tmp_path: Path)
     assert not store.host.contains(a.key) and store.locate(a.key) is None
     assert store.host.stats().puts == 0
     store.close()
+
+
+def test_deletion_amid_many_slow_write_backs_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write-backs of two tenants are queued and running (each write slowed) when one
+    tenant is deleted: none of its records stays anywhere; the other's all reach disk."""
+    hold_disk_writes(monkeypatch, seconds=0.005).release.set()
+    store = tiered(tmp_path)
+    gone = [rec(300 + i, NS_A) for i in range(8)]
+    kept = [rec(400 + i, NS_B) for i in range(8)]
+    for a, b in zip(gone, kept, strict=True):
+        store.put(a)
+        store.put(b)
+    store.delete(by_ns(NS_A))
+    store.flush()
+    assert all(store.locate(r.key) is None for r in gone)
+    assert all(store.disk.contains(r.key) for r in kept)
+    assert store.disk.bytes_by_namespace().keys() == {NS_B}
+    store.close()
+    assert disk(tmp_path).bytes_by_namespace().keys() == {NS_B}
