@@ -151,6 +151,36 @@ def pic_arg_parser() -> argparse.ArgumentParser:
         "may read; '' (default): tenants share nothing",
     )
     g.add_argument(
+        "--pic-namespace-device-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="share of the chunk nodes' pool slots one tenant (cache_salt/extra_key "
+        "namespace) may hold; past it its chunks evict only its own (0, default: no cap)",
+    )
+    g.add_argument(
+        "--pic-namespace-host-mb",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="host-tier MiB one tenant may hold (0, default: no cap)",
+    )
+    g.add_argument(
+        "--pic-namespace-disk-mb",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="disk-tier MiB one tenant may hold (0, default: no cap)",
+    )
+    g.add_argument(
+        "--pic-namespace-metrics",
+        type=int,
+        default=0,
+        metavar="N",
+        help="per-tenant metrics for at most N tenants (labelled by a digest prefix, the "
+        "rest 'other'); 0 (default): off",
+    )
+    g.add_argument(
         "--pic-auto-chunk",
         default="",
         metavar="ROLES",
@@ -253,6 +283,10 @@ def main(argv: list[str] | None = None) -> None:
         max_json_depth=ns.pic_max_json_depth,
         shared_store=ns.pic_shared_store,
         public_namespaces=ns.pic_public_namespaces,
+        namespace_device_fraction=ns.pic_namespace_device_fraction,
+        namespace_host_mb=ns.pic_namespace_host_mb,
+        namespace_disk_mb=ns.pic_namespace_disk_mb,
+        namespace_metrics=ns.pic_namespace_metrics,
         auto_chunk=ns.pic_auto_chunk,
         refused=refused,
         secret=secrets.token_hex(32),

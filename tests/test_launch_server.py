@@ -169,3 +169,40 @@ def test_a_default_launch_on_blackwell_serves_reuse_at_the_pools_page_size() -> 
     assert got["attention"][0] == "flashinfer" and got["prefill_graph"] == "breakable"
     assert (got["reason"], got["detail"]) == ("", "")
     assert got["config_page_size"] == got["pool_page_size"] == got["page_size"]
+
+
+def test_fair_share_and_namespace_metric_flags_reach_the_scheduler_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ns = build(MODEL)[1]
+    # Off by default: no caps, no per-namespace metrics.
+    assert (ns.pic_namespace_device_fraction, ns.pic_namespace_host_mb) == (0.0, 0)
+    assert (ns.pic_namespace_disk_mb, ns.pic_namespace_metrics) == (0, 0)
+    assert PicServerSettings(PicConfig()).namespace_max_tokens(1000) == 0
+    _, ns, _ = build(
+        [
+            *MODEL,
+            *("--pic-namespace-device-fraction", "0.25", "--pic-namespace-host-mb", "64"),
+            *("--pic-namespace-disk-mb", "512", "--pic-namespace-metrics", "8"),
+        ]
+    )
+    s = PicServerSettings(
+        PicConfig(),
+        namespace_device_fraction=ns.pic_namespace_device_fraction,
+        namespace_host_mb=ns.pic_namespace_host_mb,
+        namespace_disk_mb=ns.pic_namespace_disk_mb,
+        namespace_metrics=ns.pic_namespace_metrics,
+    )
+    monkeypatch.delenv("SGLPIC_SETTINGS", raising=False)
+    s.to_env()
+    got = PicServerSettings.from_env()
+    assert got.namespace_max_tokens(1000) == 250 and got.namespace_max_tokens(2) == 1
+    assert (got.namespace_host_mb, got.namespace_disk_mb, got.namespace_metrics) == (64, 512, 8)
+    for bad in (
+        {"namespace_device_fraction": 1.5},
+        {"namespace_host_mb": -1},
+        {"namespace_disk_mb": 1.5},
+        {"namespace_metrics": -2},
+    ):
+        with pytest.raises(ValueError, match="namespace_"):
+            PicServerSettings(PicConfig(), **bad)

@@ -15,6 +15,11 @@ re-rotated there. Eviction takes leaves only (a segment whose successor is held 
 the successor could never hit again), never a locked node, in the table's policy order
 (``sgl_pic.store.eviction``: LRU, LFU, or GDSF, which weighs recency, hits and size so a
 stream of novel chunks does not push out the ones in steady use).
+
+Fair share (``namespace_max_tokens``): no namespace holds more slots than its cap; an
+insert past it evicts only inside that namespace, and an insert short of room evicts the
+inserting namespace's own nodes before any other's, so one tenant's churn never pushes out
+another's nodes while it has nodes of its own to give up.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
+from sgl_pic.store.deletion import Deletion, content_digest
 from sgl_pic.store.eviction import check_policy, gdsf_priority
 
 
@@ -38,6 +44,10 @@ class ChunkNode:
               rest pad the allocation to whole pages.
     ranking:  # [num_tokens] CacheTune ranking, or None.
     namespace: the isolation namespace it was stored under ("" the default).
+    content:  ``store.deletion.content_digest`` of its token ids: what a deletion by
+              content names.
+    deleted:  taken out of the index by a deletion while locked; its slots go back to the
+              allocator when the last lock is released.
     """
 
     key: str
@@ -46,6 +56,8 @@ class ChunkNode:
     num_tokens: int
     ranking: torch.Tensor | None
     namespace: str = ""
+    content: str = ""
+    deleted: bool = False
     lock_ref: int = 0
     children: int = 0
     last_access: int = 0
@@ -75,6 +87,15 @@ class ChunkHit(NamedTuple):
         return torch.cat([n.kv_slots for n in self.nodes])
 
 
+class NodeDeleteReport(NamedTuple):
+    """What ``ChunkNodeTable.delete`` took out of the index: ``records`` nodes holding
+    ``tokens`` slots (of which ``pending_tokens`` are locked: freed when unlocked)."""
+
+    records: int
+    tokens: int
+    pending_tokens: int
+
+
 class ChunkNodeTable:
     """The chunk nodes of one scheduler's cache.
 
@@ -83,6 +104,8 @@ class ChunkNodeTable:
     capacity_tokens: most slots the nodes may hold together; inserting beyond it evicts
                unlocked leaves first and gives up (returns None) if that is not enough.
     policy:    eviction order among unlocked leaves: "lru", "lfu" or "gdsf".
+    namespace_max_tokens: most slots one isolation namespace's nodes may hold (0: no cap);
+               see the module's note on fair share.
 
     Not thread-safe: SGLang's scheduler thread owns it, as it owns the prefix tree.
     """
@@ -94,9 +117,13 @@ class ChunkNodeTable:
         segment_tokens: int,
         capacity_tokens: int,
         policy: str = "lru",
+        namespace_max_tokens: int = 0,
     ) -> None:
         if capacity_tokens < 0:
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+        if namespace_max_tokens < 0:
+            raise ValueError(f"namespace_max_tokens must be >= 0, got {namespace_max_tokens}")
+        self.namespace_max_tokens = namespace_max_tokens
         check_policy(policy)
         self.policy = policy
         self._age = 0.0  # GDSF's inflation value: the priority of the last node evicted
@@ -110,6 +137,7 @@ class ChunkNodeTable:
         self._clock = itertools.count(1)
         self._allocated = 0
         self._locked = 0  # slots of nodes with lock_ref > 0
+        self._by_namespace: dict[str, int] = {}  # slots held per namespace (>0 only)
         # Bumped by every clear (SGLang's flush_cache): work begun before a flush, such as a
         # promotion still loading, must not refill the table after it.
         self.generation = 0
@@ -133,6 +161,11 @@ class ChunkNodeTable:
 
     def contains(self, key: str) -> bool:
         return key in self._nodes
+
+    def tokens_by_namespace(self) -> dict[str, int]:
+        """Slots held per isolation namespace (those holding any), deleted nodes still
+        locked included."""
+        return dict(self._by_namespace)
 
     # ----------------------------------------------------------------- lookup
     def keys(self, token_ids: Sequence[int], namespace: str = "") -> tuple[SegmentKey, ...]:
@@ -176,6 +209,11 @@ class ChunkNodeTable:
         held = [self._nodes[k.digest] for k in keys if k.digest in self._nodes]
         self.lock(held)
         try:
+            own_over = 0
+            if self.namespace_max_tokens:
+                own_over = self._by_namespace.get(namespace, 0) + need - self.namespace_max_tokens
+                if own_over > self._evictable_in(namespace):
+                    return None
             over = self._allocated + need - self.capacity_tokens
             # Every unlocked node can go (locks cover whole chunks, so a locked node's
             # ancestors are locked too): refuse before evicting anything if that is not
@@ -185,8 +223,13 @@ class ChunkNodeTable:
             short = need - (self.allocator.available_size() + max(over, 0))
             if short > self.evictable_tokens - max(over, 0):
                 return None
+            if own_over > 0:
+                self._evict(own_over, only=namespace)
+                over = self._allocated + need - self.capacity_tokens
+                short = need - (self.allocator.available_size() + max(over, 0))
             if over > 0 or short > 0:
-                self.evict(max(over, 0) + max(short, 0))
+                cap = bool(self.namespace_max_tokens)
+                self._evict(max(over, 0) + max(short, 0), first=namespace if cap else None)
             slots = self.allocator.alloc(need)
         finally:
             self.unlock(held)
@@ -208,12 +251,14 @@ class ChunkNodeTable:
                 num_tokens=n,
                 ranking=None if ranking is None else ranking[k.start : k.end].clone(),
                 namespace=namespace,
+                content=content_digest(list(token_ids[k.start : k.end])),
                 last_access=now,
                 priority=gdsf_priority(self._age, 1, take),
             )
             at += take
             self._nodes[k.digest] = node
             self._allocated += take
+            self._by_namespace[namespace] = self._by_namespace.get(namespace, 0) + take
             if parent is not None and parent in self._nodes:
                 self._nodes[parent].children += 1
             new.append(node)
@@ -244,17 +289,33 @@ class ChunkNodeTable:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self._locked -= n.allocated
+                if n.deleted:
+                    self._allocated -= n.allocated
+                    self._count_out(n)
+                    self.allocator.free(n.slots)
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_tokens: int) -> int:
         """Frees unlocked leaf nodes in policy order until ``num_tokens`` slots are back in
         the allocator or none is left; returns the slots freed."""
+        return self._evict(num_tokens)
+
+    def _evict(self, num_tokens: int, only: str | None = None, first: str | None = None) -> int:
+        """``evict`` among nodes of namespace ``only`` (None: all), those of ``first``
+        before any other's."""
         freed = 0
         while freed < num_tokens:
-            victims = [n for n in self._nodes.values() if n.lock_ref == 0 and n.children == 0]
+            victims = [
+                n
+                for n in self._nodes.values()
+                if n.lock_ref == 0 and n.children == 0 and (only is None or n.namespace == only)
+            ]
             if not victims:
                 break
-            victims.sort(key=self._order)
+            if first is None:
+                victims.sort(key=self._order)
+            else:
+                victims.sort(key=lambda n: (n.namespace != first, *self._order(n)))
             for n in victims:
                 freed += self._remove(n)
                 self.evicted_nodes += 1
@@ -262,6 +323,18 @@ class ChunkNodeTable:
                 if freed >= num_tokens:
                     break
         return freed
+
+    def _evictable_in(self, namespace: str) -> int:
+        return sum(
+            n.allocated for n in self._nodes.values() if n.namespace == namespace and not n.lock_ref
+        )
+
+    def _count_out(self, node: ChunkNode) -> None:
+        left = self._by_namespace.get(node.namespace, 0) - node.allocated
+        if left > 0:
+            self._by_namespace[node.namespace] = left
+        else:
+            self._by_namespace.pop(node.namespace, None)
 
     def _order(self, node: ChunkNode) -> tuple[float, int]:
         if self.policy == "gdsf":
@@ -273,10 +346,43 @@ class ChunkNodeTable:
     def _remove(self, node: ChunkNode) -> int:
         del self._nodes[node.key]
         self._allocated -= node.allocated
+        self._count_out(node)
         if node.parent is not None and node.parent in self._nodes:
             self._nodes[node.parent].children -= 1
         self.allocator.free(node.slots)
         return node.allocated
+
+    # ----------------------------------------------------------------- deletion
+    def delete(self, deletion: Deletion) -> NodeDeleteReport:
+        """Takes every node ``deletion`` matches out of the index at once, with the nodes
+        chained after them (which could never hit again). An unlocked node's slots go back
+        to the allocator now, a locked one's when the request holding it unlocks it (its
+        KV is already being copied out; nothing can find it any more). Bumps
+        ``generation``, so a promotion under way cannot bring a deleted chunk back."""
+        self.generation += 1
+        doomed = {
+            k for k, n in self._nodes.items() if deletion.matches_digest(n.namespace, n.content)
+        }
+        if not doomed:
+            return NodeDeleteReport(0, 0, 0)
+        # Successors of a deleted segment: a node's parent precedes it in insertion
+        # order, so one pass in that order finds whole chains.
+        for k, n in self._nodes.items():
+            if n.parent is not None and n.parent in doomed:
+                doomed.add(k)
+        tokens = pending = 0
+        for k in [k for k in self._nodes if k in doomed]:
+            node = self._nodes[k]
+            tokens += node.allocated
+            if node.lock_ref:
+                pending += node.allocated
+                node.deleted = True
+                del self._nodes[k]
+                if node.parent is not None and node.parent in self._nodes:
+                    self._nodes[node.parent].children -= 1
+            else:
+                self._remove(node)
+        return NodeDeleteReport(len(doomed), tokens, pending)
 
     def clear(self, free: bool) -> None:
         """Drops every node; ``free=False`` when the allocator is being cleared anyway
@@ -287,6 +393,7 @@ class ChunkNodeTable:
             for n in list(self._nodes.values()):
                 self._remove(n)
         self._nodes.clear()
+        self._by_namespace.clear()
         self._allocated = 0
         self._locked = 0
         self._age = 0.0

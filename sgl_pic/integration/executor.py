@@ -95,7 +95,11 @@ class ChunkExecutor:
                None stores every one.
     reduce:    sums a device tensor over the tensor-parallel ranks, so that signals computed
                from each rank's own heads (CacheBlend's deviation, the query probe) select
-               the same tokens everywhere; None on one rank."""
+               the same tokens everywhere; None on one rank.
+    sync_deletions: applies the deletion orders other servers sharing the store issued
+               to the chunk nodes (``Deleter.sync``); called before each batch's lookups,
+               so a chunk deleted anywhere is not found here afterwards. None: nothing to
+               sync."""
 
     def __init__(
         self,
@@ -111,8 +115,10 @@ class ChunkExecutor:
         merge_gap: int = 0,
         admission: StoreAdmission | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        sync_deletions: Callable[[], object] | None = None,
     ) -> None:
         self.config = settings_config
+        self.sync_deletions = sync_deletions
         self.nodes = nodes
         self.lower = lower
         self.kv = kv
@@ -177,6 +183,8 @@ class ChunkExecutor:
             row += ext_lens[b]
         if not specs:
             return None
+        if self.sync_deletions is not None:
+            self.sync_deletions()
 
         self._batch_admission = BatchAdmission(self.admission)
         try:
@@ -189,6 +197,7 @@ class ChunkExecutor:
                 evictions["host"] = self.lower.store.host.stats().evictions
                 evictions["disk"] = self.lower.store.disk.stats().evictions
             self.metrics.record_evictions(evictions)
+            self.export_namespace_sizes()
         except BaseException:
             self._batch_admission.abandon()  # the plugin reruns it as plain prefill
             raise
@@ -248,7 +257,19 @@ class ChunkExecutor:
         for plan in plans.values():
             assert plan.stats is not None
             self.metrics.record(plan.stats)
+            self.metrics.record_namespace(plan.pending.namespace, plan.stats)
         return hidden
+
+    def export_namespace_sizes(self) -> None:
+        """Per-namespace chunk-node slots and host/disk bytes into the metrics, where the
+        operator enabled per-namespace metrics."""
+        if not self.metrics.namespace_labels.limit:
+            return
+        tiers: dict[str, dict[str, int]] = {}
+        if self.lower is not None:
+            tiers["host"] = self.lower.store.host.bytes_by_namespace()
+            tiers["disk"] = self.lower.store.disk.bytes_by_namespace()
+        self.metrics.record_namespace_sizes(self.nodes.tokens_by_namespace(), tiers)
 
     def close(self) -> None:
         """Joins the promoter's worker (shutdown)."""

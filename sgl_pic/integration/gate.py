@@ -19,7 +19,10 @@ for every HTTP path and for clients that bypass our middleware:
   client's ``extra_key`` and ``cache_salt``) is fixed here and travels in ``Pending``, so
   every chunk tier stores and finds its chunks under it alone, plus the server's public
   namespaces when the request asks for the public scope (refused where none is shared).
-  Marks carrying a key of ours besides the signed ones are forged and not honoured.
+  Marks carrying a key of ours besides the signed ones are forged and not honoured;
+- a deletion order (``delete_command``) is executed here only when the per-launch secret
+  signed it, and the request is refused with its report (the HTTP edge reads it back);
+  an order without a valid MAC is refused, counted and never executed.
 
 Never raises: a failure inside the gate means exact prefill for that request.
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_pic.config import PicConfig
+from sgl_pic.integration import delete_command
 from sgl_pic.integration.metrics import PicMetrics
 from sgl_pic.integration.spans import (
     INTERNAL_PREFIX,
@@ -69,15 +73,24 @@ class Pending:
     readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
 
 
-def namespace(config: PicConfig, user_key: str | None, calibrated_r: bool = False) -> str:
+def namespace(
+    config: PicConfig, user_key: str | None, calibrated_r: bool = False, generation: int = 0
+) -> str:
     """The prefix-tree namespace (SGLang's ``extra_key``) of a chunked request.
     ``calibrated_r``: CacheTune's r is the server's calibrated r of the slowest tier the
     request reuses from (``planner.calibrated``), known only when its batch runs; such
     requests make one approximation, "calibrated", whatever r the config names (a config
-    r of 1.0 would otherwise claim the exact namespace)."""
+    r of 1.0 would otherwise claim the exact namespace).
+    ``generation``: deletions executed so far (``Deleter.generation``). Each deletion moves
+    every chunked request to fresh namespaces, so no later request matches a tree node
+    made before it, not even one a running request still holds (SGLang cannot evict a
+    locked node) or inserts when it finishes. It stands before the first "|", which
+    no approximation key holds, so no client key can imitate it."""
     key = config.approximation_key()
     if calibrated_r:
         key = f"cachetune,calibrated,{config.cachetune_alpha!r}"
+    if generation:
+        key = f"{key}@{generation}"
     return f"{INTERNAL_PREFIX}:{key}|{user_key or ''}"
 
 
@@ -112,7 +125,9 @@ class AdmissionGate:
     calibrated_r: whether the executor sets CacheTune's r per tier (``--pic-calibrate``);
     its requests then share the "calibrated" namespace (``namespace``).
     tenants: which namespaces a request asking for the public scope may read (none by
-    default)."""
+    default).
+    deleter: executes signed deletion orders (``deleter.Deleter``); None where this process
+    keeps no chunk KV (reuse off): orders are then refused."""
 
     def __init__(
         self,
@@ -122,8 +137,10 @@ class AdmissionGate:
         metrics: PicMetrics,
         calibrated_r: bool = False,
         tenants: TenantPolicy | None = None,
+        deleter: Any = None,
     ) -> None:
         self.config = config
+        self.deleter = deleter
         self.tenants = tenants or TenantPolicy()
         self.signer = signer
         self.vocab_size = vocab_size
@@ -158,6 +175,8 @@ class AdmissionGate:
             self.metrics.requests_refused.labels(reason="top_logprobs").inc()
             return f"top_logprobs_num = {top!r} is outside [0, {self.vocab_size}]"
         custom = getattr(req.sampling_params, "custom_params", None)
+        if delete_command.has_command(custom):
+            return self._command(req, custom)
         extra = req.extra_key
         claims_namespace = isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX)
         if not (has_marks(custom) or claims_namespace):
@@ -212,9 +231,30 @@ class AdmissionGate:
             and config.policy == "cachetune"
             and "cachetune_r" not in pic.overrides
         )
-        req.extra_key = namespace(config, extra, calibrated)
+        generation = self.deleter.generation if self.deleter is not None else 0
+        req.extra_key = namespace(config, extra, calibrated, generation)
         setattr(req, PENDING_ATTR, Pending(pic, tuple(ids), own, readable))
         return None
+
+    def _command(self, req: Any, custom: Any) -> str:
+        """Executes a signed deletion order; the refusal message: its report, or why it
+        was not executed. Never runs the request."""
+        try:
+            deletion = delete_command.decode(custom, self.signer)
+        except delete_command.CommandError as e:
+            self.metrics.requests_refused.labels(reason="forged_command").inc()
+            logger.warning("sgl_pic: request %s refused: %s", getattr(req, "rid", "?"), e)
+            return str(e)
+        if self.deleter is None:
+            self.metrics.requests_refused.labels(reason="command_unavailable").inc()
+            return "deletion unavailable: chunk reuse is off on this server"
+        try:
+            report = self.deleter.execute(deletion)
+        except Exception as e:  # noqa: BLE001 - a request must never stop the scheduler
+            logger.exception("sgl_pic: deletion failed")
+            self.metrics.requests_refused.labels(reason="command_failed").inc()
+            return f"deletion failed part-way ({type(e).__name__}: {e}); send it again"
+        return delete_command.report_message(report)
 
     def _ignore(self, req: Any, reason: str) -> None:
         """Strips our keys and namespace from ``req``: it runs as exact prefill."""

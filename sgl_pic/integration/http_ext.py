@@ -19,7 +19,8 @@ custom params) before SGLang sees it. What a client can get wrong is answered he
 - ``pic`` on /v1/completions, which does not carry chunk marks (400).
 
 The scheduler checks the same rules again where the work happens (``gate.py``); the edge
-only gives clients a clear answer early.
+only gives clients a clear answer early. ``install`` also adds the operator's deletion
+endpoint, POST /pic/delete (``delete_http``).
 
 Request forms (single requests; a batch with chunk marks is refused):
   {"input_ids": [...], "pic": {"chunks": [[s, e], ...], "config": {...}}, ...}
@@ -154,6 +155,12 @@ class RequestTranslator:
     def _tokenize(self, text: str, special: bool) -> list[int]:
         check_unicode(text, "a prompt text")
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def chunk_ids(self, text: str) -> list[int]:
+        """A marked chunk's token ids, as ``generate`` tokenizes the text between two
+        delimiters (on its own, no special tokens); raises LayoutError for text that is
+        not valid Unicode."""
+        return self._tokenize(text, False)
 
     @property
     def specials(self) -> SpecialTokens:
@@ -670,20 +677,23 @@ def install(settings: Any, tokenizer_path: str, serving: Any = None) -> None:
     (``chat_source.ServingFlags``; None: none given)."""
     from sglang.srt.entrypoints.http_server import app
 
+    from sgl_pic.integration import delete_http
     from sgl_pic.integration.chat_source import ChatSource
 
     source = ChatSource(serving, settings.model_path, lambda: hf_tokenizer(tokenizer_path))
-
+    signer = MarkSigner(settings.secret)
+    translator = RequestTranslator(
+        settings.config,
+        source.tokenizer,
+        signer=signer,
+        vocab_size=model_vocab_size(settings.model_path),
+        auto_chunk=settings.auto_chunk_roles,
+        chat_refusal=source.refusal,
+    )
+    delete_http.install(app, translator, signer, settings.config.segment_tokens)
     app.add_middleware(
         PicHTTPMiddleware,
-        translator=RequestTranslator(
-            settings.config,
-            source.tokenizer,
-            signer=MarkSigner(settings.secret),
-            vocab_size=model_vocab_size(settings.model_path),
-            auto_chunk=settings.auto_chunk_roles,
-            chat_refusal=source.refusal,
-        ),
+        translator=translator,
         max_body_bytes=settings.max_body_mb << 20,
         max_json_depth=settings.max_json_depth,
     )

@@ -5,6 +5,11 @@ spawns that process, so prometheus_client's multiprocess collector behind /metri
 HTTP process) reads them. Ratios (hit rate, recomputed fraction) are left to PromQL over the
 counters, e.g. ``sgl_pic_chunk_hits_total / sgl_pic_chunk_lookups_total``; the last
 request's values are also exported as gauges for a glance.
+
+Per-namespace (tenant) series exist only where the operator asks for them
+(``--pic-namespace-metrics N``): each is labelled by a short prefix of the namespace's
+digest ("default" for the default namespace), never by a salt or key, and at most N
+namespaces get a label of their own, the rest sharing "other" (``NamespaceLabels``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,44 @@ class RequestStats(NamedTuple):
     prefix_hit_tokens: int = 0  # DARIC's L_hit = max(L_gpu, L_cont)
     encoded_tokens: int = 0  # tokens of the missed chunks, computed on their own in phase 1
     deferred: int = 0  # missed chunks store admission did not store (computed in context)
+
+
+# Hex digits of a namespace digest a label keeps: enough to tell tenants apart on a
+# dashboard, far too few to stand for the digest.
+LABEL_DIGITS = 12
+
+
+class NamespaceLabels:
+    """The label of each namespace in the per-namespace series: the first ``limit`` seen
+    get their own (kept for the process's life), later ones "other". ``limit`` 0: off,
+    no label at all. Scheduler thread only."""
+
+    def __init__(self, limit: int = 0) -> None:
+        if limit < 0:
+            raise ValueError(f"the namespace label limit must be >= 0, got {limit}")
+        self.limit = limit
+        self._own: dict[str, str] = {}
+
+    def __call__(self, namespace: str) -> str | None:
+        if not self.limit:
+            return None
+        label = self._own.get(namespace)
+        if label is not None:
+            return label
+        if len(self._own) >= self.limit:
+            return "other"
+        label = "default" if namespace == "" else namespace[:LABEL_DIGITS]
+        self._own[namespace] = label
+        return label
+
+    def sums(self, values: Mapping[str, int]) -> dict[str, int]:
+        """``values`` per namespace, summed per label ({} when off)."""
+        out: dict[str, int] = {}
+        for ns, v in values.items():
+            label = self(ns)
+            if label is not None:
+                out[label] = out.get(label, 0) + v
+        return out
 
 
 class PicMetrics:
@@ -131,6 +174,12 @@ class PicMetrics:
             "Requests the scheduler refused with an error (e.g. token ids outside the vocabulary)",
             ["reason"],
         )
+        self.deleted_records = Counter(
+            "sgl_pic_deleted_records",
+            "Chunk records removed by deletion orders (POST /pic/delete here, or another "
+            "server's through the shared store's log), by tier",
+            ["tier"],
+        )
         self.queue_drops = Counter(
             "sgl_pic_queue_drops",
             "Background jobs dropped because their bounded queue was full or closed",
@@ -207,6 +256,31 @@ class PicMetrics:
             "Cached chunk segments evicted, by tier (device: chunk nodes; host; disk)",
             ["tier"],
         )
+        # Per-namespace series: none appear unless ``namespace_labels`` is enabled.
+        self.namespace_labels = NamespaceLabels()
+        self.namespace_hits = Counter(
+            "sgl_pic_namespace_chunk_hits",
+            "Chunks reused from any tier, by namespace (--pic-namespace-metrics)",
+            ["namespace"],
+        )
+        self.namespace_misses = Counter(
+            "sgl_pic_namespace_chunk_misses",
+            "Chunks computed independently, by namespace (--pic-namespace-metrics)",
+            ["namespace"],
+        )
+        self.namespace_node_tokens = Gauge(
+            "sgl_pic_namespace_chunk_node_tokens",
+            "Pool slots held by chunk nodes, by namespace (--pic-namespace-metrics)",
+            ["namespace"],
+            multiprocess_mode="mostrecent",
+        )
+        self.namespace_tier_bytes = Gauge(
+            "sgl_pic_namespace_tier_bytes",
+            "Bytes held in the host and disk tiers, by namespace (--pic-namespace-metrics)",
+            ["namespace", "tier"],
+            multiprocess_mode="mostrecent",
+        )
+        self._namespace_gauges_seen: dict[str, set[tuple[str, ...]]] = {}
         self._errors_seen: dict[str, int] = {}
         self._evictions_seen: dict[str, int] = {}
         self.hit_rate = Gauge(
@@ -243,6 +317,47 @@ class PicMetrics:
             self.hit_rate.set(hits / s.chunks)
         if s.new_tokens:
             self.recomputed_fraction.set(s.recomputed_tokens / s.new_tokens)
+
+    def enable_namespaces(self, limit: int) -> None:
+        """Per-namespace series for at most ``limit`` namespaces (0: off); called once,
+        when the scheduler's cache is built."""
+        self.namespace_labels = NamespaceLabels(limit)
+
+    def record_namespace(self, namespace: str, s: RequestStats) -> None:
+        """One request's chunk hits and misses under its namespace's label (nothing when
+        per-namespace metrics are off)."""
+        label = self.namespace_labels(namespace)
+        if label is None:
+            return
+        self.namespace_hits.labels(namespace=label).inc(s.contiguous_hits + s.disjoint_hits)
+        self.namespace_misses.labels(namespace=label).inc(s.misses)
+
+    def record_namespace_sizes(
+        self, node_tokens: Mapping[str, int], tier_bytes: Mapping[str, Mapping[str, int]]
+    ) -> None:
+        """Sets the per-namespace gauges from the chunk nodes' slots and each lower tier's
+        bytes per namespace; a label no longer holding anything reads 0."""
+        if not self.namespace_labels.limit:
+            return
+        self._set_gauges(
+            self.namespace_node_tokens,
+            "nodes",
+            {(k,): v for k, v in self.namespace_labels.sums(node_tokens).items()},
+        )
+        bytes_by = {
+            (label, tier): v
+            for tier, per_ns in tier_bytes.items()
+            for label, v in self.namespace_labels.sums(per_ns).items()
+        }
+        self._set_gauges(self.namespace_tier_bytes, "tiers", bytes_by)
+
+    def _set_gauges(self, gauge: Gauge, name: str, values: Mapping[tuple[str, ...], int]) -> None:
+        seen = self._namespace_gauges_seen.setdefault(name, set())
+        for labels in seen - values.keys():
+            gauge.labels(*labels).set(0)
+        for labels, v in values.items():
+            gauge.labels(*labels).set(v)
+        seen.update(values)
 
     def record_store_errors(self, errors: Mapping[str, int]) -> None:
         """Adds what the tiers' cumulative error counts gained since the last call."""

@@ -69,6 +69,7 @@ def build_tree_cache(ctx: Any) -> Any:
     global _executor, _gate, _phases
     from sgl_pic.integration import radix_cache
     from sgl_pic.integration.chunk_nodes import ChunkNodeTable
+    from sgl_pic.integration.deleter import Deleter
     from sgl_pic.integration.executor import ChunkExecutor
     from sgl_pic.integration.fingerprint import server_fingerprint
     from sgl_pic.integration.gate import AdmissionGate
@@ -109,6 +110,7 @@ def build_tree_cache(ctx: Any) -> Any:
         from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
         return default_radix_cache_factory(ctx)
+    metrics.enable_namespaces(settings.namespace_metrics)
     cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     # Every chunk is stored with a ranking made at the server's alpha (a setting no
     # request can override), so the alpha is part of every key.
@@ -122,7 +124,12 @@ def build_tree_cache(ctx: Any) -> Any:
 
     def make_table(allocator: Any) -> ChunkNodeTable:
         return ChunkNodeTable(
-            allocator, fingerprint, settings.config.segment_tokens, capacity, settings.eviction
+            allocator,
+            fingerprint,
+            settings.config.segment_tokens,
+            capacity,
+            settings.eviction,
+            settings.namespace_max_tokens(capacity),
         )
 
     cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set)
@@ -157,6 +164,7 @@ def build_tree_cache(ctx: Any) -> Any:
         getattr(runner, "kv_index_translator", None),
         ctx.params.req_to_token_pool,
     )
+    deleter = Deleter(cache.chunk_nodes, cache, lower.store if lower is not None else None, metrics)
     _executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,
@@ -170,6 +178,7 @@ def build_tree_cache(ctx: Any) -> Any:
         merge_gap=settings.merge_gap,
         admission=StoreAdmission(settings.admission),
         reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
+        sync_deletions=deleter.sync if lower is not None else None,
     )
     if shutdown is not None:
         # The promoter reads from the tiers: its worker is joined before they stop.
@@ -192,7 +201,13 @@ def build_tree_cache(ctx: Any) -> Any:
         )
     signer = MarkSigner(settings.secret) if settings.secret else None
     _gate = AdmissionGate(
-        settings.config, signer, vocab_size, metrics, ratios is not None, tenant_policy(settings)
+        settings.config,
+        signer,
+        vocab_size,
+        metrics,
+        ratios is not None,
+        tenant_policy(settings),
+        deleter,
     )
     logger.info(
         "sgl_pic chunk cache ready: policy=%s, model %s, attention backend %s, chunk nodes up "
@@ -288,14 +303,20 @@ def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = Non
     pre = dataclasses.replace(fingerprint, pre_rope=True)
     if settings.disk_cache_dir:
         disk = DiskStoreConfig(
-            settings.disk_cache_dir, settings.disk_cache_mb * 2**20, policy=settings.eviction
+            settings.disk_cache_dir,
+            settings.disk_cache_mb * 2**20,
+            policy=settings.eviction,
+            namespace_max_bytes=settings.namespace_disk_mb * 2**20,
         )
         write_back = "on_put"
     else:
         disk = DiskStoreConfig(tempfile.mkdtemp(prefix="sgl_pic_nodisk_"), 0)
         write_back = "on_evict"
     host = HostStoreConfig(
-        settings.host_cache_mb * 2**20, policy=settings.eviction, write_back=write_back
+        settings.host_cache_mb * 2**20,
+        policy=settings.eviction,
+        write_back=write_back,
+        namespace_max_bytes=settings.namespace_host_mb * 2**20,
     )
     # Disk hits enter host memory only when it exists; a zero-capacity host tier would
     # make every promotion a wasted full read.

@@ -99,6 +99,13 @@ class ChunkRadixCache(UnifiedRadixCache):
             self._changed()
         return result
 
+    def evict_prefix_tree(self) -> int:
+        """Evicts every unlocked node of SGLang's own tree through its own eviction
+        (chunk nodes untouched); the tokens freed. A deletion's way to drop prefix KV
+        that may hold deleted chunks (``deleter``)."""
+        result = super().evict(EvictParams(num_tokens=super().evictable_size()))
+        return int(result.num_tokens_evicted)
+
     def reset(self) -> None:
         super().reset()
         if self.chunk_nodes is not None:

@@ -50,6 +50,14 @@ class PicServerSettings:
     public_namespaces:    comma list of namespace names (a ``cache_salt`` or ``extra_key``
                           value) whose chunks requests asking for the public scope may read
                           (``tenants.TenantPolicy``); "" (default): tenants share nothing.
+    namespace_device_fraction: share of the chunk nodes' slots one isolation namespace
+                          (tenant) may hold, in [0, 1]; 0 (default): no cap. Past it a
+                          tenant's inserts evict only its own nodes (``ChunkNodeTable``).
+    namespace_host_mb:    host-tier MiB one namespace may hold; 0 (default): no cap.
+    namespace_disk_mb:    disk-tier MiB one namespace may hold; 0 (default): no cap.
+    namespace_metrics:    most namespaces given a label of their own in the per-namespace
+                          metrics (the rest share "other"); 0 (default): no per-namespace
+                          metrics (``metrics.NamespaceLabels``).
     eviction:             eviction order of chunk nodes, host and disk tiers: "gdsf"
                           (recency, hits and size: a stream of novel chunks does not push
                           out the ones in steady use), "lru" or "lfu"
@@ -82,6 +90,10 @@ class PicServerSettings:
     shared_store: str = ""
     auto_chunk: str = ""
     public_namespaces: str = ""
+    namespace_device_fraction: float = 0.0
+    namespace_host_mb: int = 0
+    namespace_disk_mb: int = 0
+    namespace_metrics: int = 0
     eviction: str = "gdsf"
     admission: str = "adaptive"
     refused: str = ""
@@ -118,12 +130,27 @@ class PicServerSettings:
                 f"public_namespaces must be a comma list of names, got {self.public_namespaces!r}"
             )
         TenantPolicy.from_names(parse_names(self.public_namespaces))  # ValueError: blank name
+        if not 0.0 <= self.namespace_device_fraction <= 1.0:
+            raise ValueError(
+                f"namespace_device_fraction must be in [0, 1], got {self.namespace_device_fraction}"
+            )
+        for name in ("namespace_host_mb", "namespace_disk_mb", "namespace_metrics"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):
             raise ValueError("calibration picks r per host/disk tier: enable one of them")
 
     @property
     def auto_chunk_roles(self) -> frozenset[str]:
         return parse_roles(self.auto_chunk)
+
+    def namespace_max_tokens(self, capacity_tokens: int) -> int:
+        """Chunk-node slots one namespace may hold out of ``capacity_tokens`` (0: no
+        cap; a cap never rounds down to none)."""
+        if not self.namespace_device_fraction:
+            return 0
+        return max(1, int(self.namespace_device_fraction * capacity_tokens))
 
     @property
     def has_lower_tiers(self) -> bool:

@@ -31,6 +31,8 @@ MAC_KEY = "sgl_pic_mac"
 MARK_KEYS = frozenset({CHUNKS_KEY, NUM_TOKENS_KEY, CONFIG_KEY, MAC_KEY})
 # Every key or prefix-tree namespace of ours starts with this; a client may send none.
 INTERNAL_PREFIX = "sgl_pic"
+# Domain tag of internal commands' MACs (``MarkSigner.sign_command``).
+_COMMAND_TAG = b"sgl_pic.command-v1\x00"
 # Per-request overrides a client may send; server-only settings (page size, segment length,
 # delimiter, limits, CacheTune's alpha) are excluded because they change how chunks are
 # keyed, bounded or ranked when stored.
@@ -94,6 +96,20 @@ class MarkSigner:
         if not isinstance(mac, str):
             return False
         return hmac.compare_digest(mac, self.sign(token_ids, custom_params))
+
+    def sign_command(self, payload: str) -> str:
+        """The MAC of an internal command (``delete_command``): the same secret as the
+        marks, under a tag of its own, so no mark's MAC is a command's and none the
+        reverse (a marks payload starts with "[", a command's with the tag)."""
+        h = hmac.new(self._key, _COMMAND_TAG, hashlib.sha256)
+        h.update(payload.encode("utf-8", "surrogatepass"))
+        return h.hexdigest()
+
+    def verify_command(self, payload: Any, mac: Any) -> bool:
+        """Whether ``mac`` is this signer's MAC of the command ``payload``."""
+        if not (isinstance(payload, str) and isinstance(mac, str)):
+            return False
+        return hmac.compare_digest(mac, self.sign_command(payload))
 
 
 class LimitError(LayoutError):

@@ -22,6 +22,7 @@ from sgl_pic.store.cost_model import (
     golden_section,
     ttft,
 )
+from sgl_pic.store.deletion import DeleteReport, Deletion, content_digest, segment_contents
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
 from sgl_pic.store.errors import (
     BadMagicError,
@@ -54,6 +55,8 @@ __all__ = [
     "ChunkStore",
     "CorruptRecordError",
     "CostParams",
+    "DeleteReport",
+    "Deletion",
     "DeviceTier",
     "DiskStore",
     "DiskStoreConfig",
@@ -85,9 +88,11 @@ __all__ = [
     "balance_ratio",
     "choose_ratio",
     "complement",
+    "content_digest",
     "golden_section",
     "make_store",
     "register_store",
+    "segment_contents",
     "store_names",
     "ttft",
 ]

@@ -28,8 +28,6 @@ among them). ``stats().capacity_bytes`` is the effective capacity.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import stat
 import threading
@@ -47,61 +45,35 @@ from sgl_pic.store.base import (
     LayerKV,
     RecordLayout,
     check_key,
+    hash_token_ids,
     register_store,
 )
+from sgl_pic.store.deletion_log import DeletionLog
+from sgl_pic.store.disk_files import (
+    FULL,
+    NO_SPACE,
+    bad_file_kind,
+    remove_bad,
+    remove_stale_tmp,
+)
 from sgl_pic.store.errors import (
-    BadMagicError,
     CorruptRecordError,
-    ForeignModelError,
-    LayoutMismatchError,
     RecordShapeError,
     StoreError,
-    TokenMismatchError,
-    TruncatedRecordError,
-    UnsupportedFormatError,
 )
 from sgl_pic.store.eviction import BoundedStore, check_policy
 from sgl_pic.store.format import (
     SUFFIX,
     TMP_PREFIX,
-    NotRegularFileError,
     RecordFile,
     RecordHeader,
-    TmpOwner,
     WriteCancelled,
     encode_record,
     file_name,
-    is_local_owner,
     read_header,
-    tmp_owner,
     write_record,
 )
 from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
-
-# Counted as "enospc": the device is full, a quota is spent, or the process's file-size
-# limit is reached; each means this record cannot be written now.
-_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-# Of those, the ones that mean the file system is full, so that evicting our own files
-# makes room. EFBIG is a per-file limit (RLIMIT_FSIZE, the file system's largest file):
-# evicting other records cannot lift it, so it lowers no capacity.
-_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-# (error kind in stats, delete the file?). Foreign and newer files may belong to another
-# model or a newer binary sharing the directory, so they are skipped, not deleted. The
-# first matching class counts, so subclasses come before their bases.
-_BAD_FILE: dict[type[StoreError], tuple[str, bool]] = {
-    NotRegularFileError: ("not_regular", True),
-    # Our model's fingerprint, yet not our pool's KV layout: no server of this fingerprint
-    # can use it, so it goes (its key stays free for the recomputed chunk).
-    LayoutMismatchError: ("layout_mismatch", True),
-    BadMagicError: ("corrupt", True),
-    CorruptRecordError: ("corrupt", True),
-    TruncatedRecordError: ("truncated", True),
-    TokenMismatchError: ("token_mismatch", True),
-    ForeignModelError: ("foreign_model", False),
-    UnsupportedFormatError: ("newer_format", False),
-}
 
 
 @dataclass(frozen=True)
@@ -115,6 +87,8 @@ class DiskStoreConfig:
                         and are removed; younger ones are removed when their name says
                         they were written on this host by a process that no longer
                         runs, else kept (another process's write in progress).
+    namespace_max_bytes: file bytes one namespace (tenant) may hold, 0 for no cap
+                        (``sgl_pic.store.eviction``: fair share).
     """
 
     root: str
@@ -122,6 +96,7 @@ class DiskStoreConfig:
     policy: str = "lru"
     block_tokens: int = 32
     stale_tmp_seconds: float = 3600.0
+    namespace_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -133,6 +108,8 @@ class DiskStoreConfig:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         if self.stale_tmp_seconds < 0:
             raise ValueError(f"stale_tmp_seconds must be >= 0, got {self.stale_tmp_seconds}")
+        if self.namespace_max_bytes < 0:
+            raise ValueError(f"namespace_max_bytes must be >= 0, got {self.namespace_max_bytes}")
 
 
 @register_store
@@ -157,11 +134,23 @@ class DiskStore(BoundedStore):
     regrow_interval_s: ClassVar[float] = 10.0
 
     def __init__(
-        self, config: DiskStoreConfig, model_digest: str, layout: RecordLayout | None = None
+        self,
+        config: DiskStoreConfig,
+        model_digest: str,
+        layout: RecordLayout | None = None,
+        deletions: DeletionLog | None = None,
     ) -> None:
         """layout: the KV layout (the serving pool's) every file must have; a file of
-        another is a bad file (error kind "layout_mismatch", deleted). None checks none."""
-        super().__init__(model_digest, config.capacity_bytes, config.policy, layout)
+        another is a bad file (error kind "layout_mismatch", deleted). None checks none.
+        deletions: the deletion log puts check (shared with the host tier above)."""
+        super().__init__(
+            model_digest,
+            config.capacity_bytes,
+            config.policy,
+            layout,
+            config.namespace_max_bytes,
+            deletions,
+        )
         self.config = config
         self.root = Path(config.root)
         make_private_dir(self.root)
@@ -170,6 +159,7 @@ class DiskStore(BoundedStore):
         # Keys being written -> their file size, reserved against the capacity until the
         # write ends (their sum is the reservation).
         self._pending: dict[str, int] = {}
+        self._pending_ns: dict[str, str] = {}  # their namespaces, for the caps
         # Set by abort_writes (shutdown): writes in flight stop, later ones are refused.
         self._abort = threading.Event()
         # time.monotonic() before which the lowered capacity is not checked for regrowth.
@@ -186,7 +176,9 @@ class DiskStore(BoundedStore):
         return self.root / name[:2] / name
 
     def _rebuild_index(self) -> None:
-        found: list[tuple[float, str, int]] = []
+        # Headers hold each record's namespace and token ids' digest: the index gets
+        # both, so deletions and caps work on records of earlier runs too.
+        found: list[tuple[float, str, int, str, str]] = []
         now = time.time()
         for sub in sorted(self.root.iterdir()):
             # Never through a link: a bad file found there would be deleted in its target.
@@ -220,10 +212,12 @@ class DiskStore(BoundedStore):
                 except OSError:
                     self._errors["unreadable"] += 1
                     continue
-                found.append((st.st_mtime, header.key, st.st_size))
+                found.append(
+                    (st.st_mtime, header.key, st.st_size, header.namespace, header.token_ids_hash)
+                )
         # Oldest files first, so recency order survives a restart approximately.
-        for mtime, key, size in sorted(found):
-            self._add_locked(key, size, mtime)
+        for mtime, key, size, namespace, content in sorted(found):
+            self._add_locked(key, size, mtime, namespace, content)
         if self._used > self._capacity:
             self._delete_files(self._evict_locked(self._used - self._capacity))
 
@@ -234,36 +228,17 @@ class DiskStore(BoundedStore):
         return header
 
     def _remove_stale_tmp(self, path: Path, now: float) -> None:
-        try:
-            owner = tmp_owner(path.name)
-            old = now - path.stat().st_mtime > self.config.stale_tmp_seconds
-            if old or (owner is not None and _writer_is_gone(owner)):
-                path.unlink()
-                self._errors["leftover_tmp"] += 1
-        except OSError:
-            pass
+        if remove_stale_tmp(path, now, self.config.stale_tmp_seconds):
+            self._errors["leftover_tmp"] += 1
 
     def _count_bad(self, exc: StoreError, path: Path) -> None:
-        kind, delete = next(
-            (v for cls, v in _BAD_FILE.items() if isinstance(exc, cls)), ("corrupt", True)
-        )
+        kind, delete = bad_file_kind(exc)
         self._errors[kind] += 1
         if delete:
             self._remove_bad(path)
 
     def _remove_bad(self, path: Path) -> None:
-        """Remove what sits at a bad record's path, never anything it leads to: a symlink
-        goes, its target stays; a directory goes only when empty (its contents are not
-        ours to judge), else stays, uncounted, to be skipped again."""
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-                return
-            path.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
-        except OSError:
+        if not remove_bad(path):
             self._errors["unlink_error"] += 1
 
     def _begin_read(self, key: str) -> Path | None:
@@ -379,10 +354,16 @@ class DiskStore(BoundedStore):
     def writes_aborted(self) -> bool:
         return self._abort.is_set()
 
-    def put(self, record: ChunkKV) -> bool:
+    def put(self, record: ChunkKV, since: int | None = None) -> bool:
         """Write ``record``'s file (atomically) unless held or it does not fit; True when
         the file is there afterwards. After ``abort_writes``: False without writing, or
-        ``WriteCancelled`` from a write that the abort stopped (no file left)."""
+        ``WriteCancelled`` from a write that the abort stopped (no file left).
+
+        since: ``deletions.seq`` when the caller obtained ``record`` (a write-back queued
+        earlier; default now). A deletion logged after it that matches the record drops
+        it, also one logged while the file was being written (the file is removed)."""
+        if since is None:
+            since = self.deletions.seq
         if not self._accepts_model(record):
             return False
         if self._abort.is_set():
@@ -393,13 +374,20 @@ class DiskStore(BoundedStore):
             if record.key in self._entries or record.key in self._pending:
                 return True
         enc = encode_record(record, self.config.block_tokens)
+        content, ns = hash_token_ids(record.token_ids), record.namespace
         self._maybe_regrow()
         with self._lock:
             if record.key in self._entries or record.key in self._pending:
                 return True
-            evicted, fits = self._make_room_locked(sum(self._pending.values()) + enc.size)
+            if self._deleted_since_locked(since, ns, content):
+                return False
+            ns_pending = sum(n for k, n in self._pending.items() if self._pending_ns[k] == ns)
+            evicted, fits = self._make_room_locked(
+                sum(self._pending.values()) + enc.size, ns, ns_pending + enc.size
+            )
             if fits:
                 self._pending[record.key] = enc.size
+                self._pending_ns[record.key] = ns
         self._delete_files(evicted)
         if not fits:
             return False
@@ -414,18 +402,25 @@ class DiskStore(BoundedStore):
         except WriteCancelled:
             with self._lock:
                 del self._pending[record.key]
+                del self._pending_ns[record.key]
                 self._counts["cancelled_writes"] += 1
             raise
         with self._lock:
             del self._pending[record.key]
+            del self._pending_ns[record.key]
+            if err is None and self._deleted_since_locked(since, ns, content):
+                # Deleted while being written: the file goes (under the lock, so no
+                # later put of this key can have written it).
+                self._delete_files([(record.key, enc.size)], locked=True)
+                return False
             if err is None:
-                self._add_locked(record.key, enc.size)
+                self._add_locked(record.key, enc.size, namespace=ns, content=content)
                 self._counts["puts"] += 1
             else:
                 self._errors["write_error"] += 1
-                if err.errno in _NO_SPACE:
+                if err.errno in NO_SPACE:
                     self._errors["enospc"] += 1
-                if err.errno in _FULL:
+                if err.errno in FULL:
                     self._lower_capacity_locked()
         return err is None
 
@@ -458,31 +453,26 @@ class DiskStore(BoundedStore):
             grown = self._used + sum(self._pending.values()) + free // 2
             self._capacity = min(self.config.capacity_bytes, max(self._capacity, grown))
 
-    def _delete_files(self, evicted: list[tuple[str, int]]) -> None:
+    def _delete_files(self, evicted: list[tuple[str, int]], locked: bool = False) -> None:
         # Unlinking is safe under open readers: their mmap keeps the inode alive.
         for key, _ in evicted:
             try:
                 self.path_of(key).unlink(missing_ok=True)
             except OSError:
-                with self._lock:
+                if locked:
                     self._errors["unlink_error"] += 1
+                else:
+                    with self._lock:
+                        self._errors["unlink_error"] += 1
+
+    def _dropped_locked(self, keys: list[str]) -> None:
+        # Deleted files go under the lock: a put of the same key (the tenant sent the
+        # document again) cannot have written its new file yet, so it is never the one
+        # removed. Open readers keep the old inode until they close it.
+        self._delete_files([(k, 0) for k in keys], locked=True)
 
     def evict(self, nbytes: int) -> EvictResult:
         with self._lock:
             evicted = self._evict_locked(nbytes)
         self._delete_files(evicted)
         return EvictResult(tuple(k for k, _ in evicted), sum(n for _, n in evicted))
-
-
-def _writer_is_gone(owner: TmpOwner) -> bool:
-    """Whether the process that named a temp file has ended (checked on this host only;
-    another host's or a live process's file is left to the age rule)."""
-    if not is_local_owner(owner) or owner.pid == os.getpid():
-        return False
-    try:
-        os.kill(owner.pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False  # e.g. EPERM: the process exists under another user
-    return False

@@ -132,6 +132,11 @@ class RecordHeader:
     k_sums / v_sums: per layer, the concatenated SHA-256 digests of its blocks.
     namespace: the record's isolation namespace (``ChunkKV.namespace``); "" in files
                written before it was kept.
+    tombstones_seen: in the shared store, how many deletion tombstones its writer had
+               seen (``sgl_pic.store.tombstones``): tombstones numbered from it on apply
+               to it. 0 when absent (older writers, local files): every tombstone
+               applies. An optional field, ignored by older readers, which know no
+               tombstones anyway: no format version change.
     """
 
     version: int
@@ -151,6 +156,7 @@ class RecordHeader:
     v_sums: tuple[bytes, ...]
     data_offset: int
     namespace: str = ""
+    tombstones_seen: int = 0
 
     @property
     def row_bytes(self) -> int:
@@ -190,8 +196,11 @@ def _block_sums(area: np.ndarray, row_bytes: int, block_tokens: int) -> bytes:
     return b"".join(hashlib.sha256(area[i : i + step]).digest() for i in range(0, area.size, step))
 
 
-def encode_header(record: ChunkKV, block_tokens: int) -> tuple[bytes, list[np.ndarray]]:
-    """The full prefix + header + padding bytes, and the payload areas in file order."""
+def encode_header(
+    record: ChunkKV, block_tokens: int, tombstones_seen: int = 0
+) -> tuple[bytes, list[np.ndarray]]:
+    """The full prefix + header + padding bytes, and the payload areas in file order.
+    ``tombstones_seen``: see ``RecordHeader`` (written only when non-zero)."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     row = record.row_bytes
@@ -226,6 +235,8 @@ def encode_header(record: ChunkKV, block_tokens: int) -> tuple[bytes, list[np.nd
         "v_sums": v_sums,
         "namespace": record.namespace,
     }
+    if tombstones_seen:
+        header["tombstones_seen"] = tombstones_seen
     body = msgpack.packb(header, use_bin_type=True)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), hashlib.sha256(body).digest())
     head = prefix + body
@@ -246,8 +257,10 @@ class EncodedRecord:
         return len(self.head) + sum(a.size for a in self.areas)
 
 
-def encode_record(record: ChunkKV, block_tokens: int = 32) -> EncodedRecord:
-    head, areas = encode_header(record, block_tokens)
+def encode_record(
+    record: ChunkKV, block_tokens: int = 32, tombstones_seen: int = 0
+) -> EncodedRecord:
+    head, areas = encode_header(record, block_tokens, tombstones_seen)
     return EncodedRecord(head, tuple(areas))
 
 
@@ -380,6 +393,7 @@ def _parse_header(
             v_sums=tuple(_bytes(s) for s in _list(h["v_sums"])),
             data_offset=PREFIX_BYTES + header_len + (-(PREFIX_BYTES + header_len) % ALIGN),
             namespace=check_namespace(_str(h.get("namespace", ""))),
+            tombstones_seen=_int(h, "tombstones_seen", low=0) if "tombstones_seen" in h else 0,
         )
     except (KeyError, TypeError, ValueError, OverflowError, msgpack.UnpackException) as exc:
         raise CorruptRecordError(f"unreadable header: {exc}") from exc

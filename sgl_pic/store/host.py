@@ -4,11 +4,9 @@ locking, pinned buffers when CUDA is present, and a background write-back queue.
 from __future__ import annotations
 
 import threading
-import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
@@ -17,13 +15,14 @@ from sgl_pic.store.base import (
     EvictResult,
     LayerKV,
     RecordLayout,
+    hash_token_ids,
     layer_offsets,
     normalize_indices,
     register_store,
 )
+from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.eviction import BoundedStore, check_policy
-from sgl_pic.store.format import WriteCancelled
-from sgl_pic.worker_threads import start_thread
+from sgl_pic.store.write_back import DrainResult, WriteBack, WriteBackConfig, WriteBackStats
 
 WRITE_BACK_MODES: tuple[str, ...] = ("on_put", "on_evict")
 
@@ -40,6 +39,8 @@ class HostStoreConfig:
                      "on_put" soon after each new record arrives (write-through, off the
                      critical path), "on_evict" only when evicted (demotion).
     write_back_queue: jobs the background writer may have pending; more are dropped.
+    namespace_max_bytes: payload bytes one namespace (tenant) may hold, 0 for no cap
+                     (``sgl_pic.store.eviction``: fair share).
     """
 
     capacity_bytes: int
@@ -47,6 +48,7 @@ class HostStoreConfig:
     pin_memory: bool = True
     write_back: str = "on_put"
     write_back_queue: int = 64
+    namespace_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
@@ -58,6 +60,8 @@ class HostStoreConfig:
             )
         if self.write_back_queue < 1:
             raise ValueError(f"write_back_queue must be >= 1, got {self.write_back_queue}")
+        if self.namespace_max_bytes < 0:
+            raise ValueError(f"namespace_max_bytes must be >= 0, got {self.namespace_max_bytes}")
 
 
 @register_store
@@ -67,8 +71,14 @@ class HostStore(BoundedStore):
 
     write_back_to: a sink (e.g. ``DiskStore.put``) that a background thread feeds with
                    records per ``config.write_back``; ``flush`` waits for it.
+    write_back_since_to: instead of ``write_back_to``, a sink also given the deletion
+                   sequence number (``deletions.seq``) at which the write was queued,
+                   e.g. ``DiskStore.put``'s ``since``, so a deletion racing the write is
+                   still seen by the sink.
     on_evict:      called with each evicted record, outside the store's lock, in the
                    evicting thread; it must not block for long.
+    deletions:     the deletion log (shared with the sink's tier); a write-back of a
+                   record a later deletion matches is dropped when it runs.
     """
 
     name: ClassVar[str] = "host"
@@ -80,15 +90,29 @@ class HostStore(BoundedStore):
         write_back_to: Callable[[ChunkKV], object] | None = None,
         on_evict: Callable[[ChunkKV], None] | None = None,
         layout: RecordLayout | None = None,
+        write_back_since_to: Callable[[ChunkKV, int], object] | None = None,
+        deletions: DeletionLog | None = None,
     ) -> None:
         """layout: the KV layout every record must have; another is refused on put."""
-        super().__init__(model_digest, config.capacity_bytes, config.policy, layout)
+        super().__init__(
+            model_digest,
+            config.capacity_bytes,
+            config.policy,
+            layout,
+            config.namespace_max_bytes,
+            deletions,
+        )
+        if write_back_to is not None and write_back_since_to is not None:
+            raise ValueError("give write_back_to or write_back_since_to, not both")
         self.config = config
         self._on_evict = on_evict
-        self._sink = write_back_to
+        self._sink: Callable[[ChunkKV, int], object] | None = write_back_since_to
+        if write_back_to is not None:
+            plain = write_back_to
+            self._sink = lambda record, _since: plain(record)
         self._writer = (
             None
-            if write_back_to is None
+            if self._sink is None
             else WriteBack(WriteBackConfig(config.write_back_queue), "sgl-pic-host-writeback")
         )
         self._pin = config.pin_memory and torch.cuda.is_available()
@@ -147,11 +171,18 @@ class HostStore(BoundedStore):
     def put(self, record: ChunkKV) -> bool:
         return self.insert(record, write_back=True)
 
-    def insert(self, record: ChunkKV, write_back: bool) -> bool:
+    def insert(self, record: ChunkKV, write_back: bool, since: int | None = None) -> bool:
         """``put`` with a choice: ``write_back=False`` for records that came from the
-        sink's tier (a promotion), which need not be written there again on put."""
+        sink's tier (a promotion), which need not be written there again on put.
+
+        since: ``deletions.seq`` when the caller obtained ``record`` (a promotion queued
+        earlier); a deletion logged after it that matches drops the record (False).
+        Default: now."""
+        if since is None:
+            since = self.deletions.seq
         if not self._accepts_model(record):
             return False
+        content = hash_token_ids(record.token_ids)
         with self._lock:
             if record.key in self._entries:
                 return True
@@ -173,10 +204,14 @@ class HostStore(BoundedStore):
         with self._lock:
             if record.key in self._entries:
                 return True
-            evicted, ok = self._make_room_locked(own.nbytes)
+            if self._deleted_since_locked(since, record.namespace, content):
+                return False
+            evicted, ok = self._make_room_locked(own.nbytes, record.namespace)
             dropped = self._pop_records_locked(evicted)
             if ok:
-                self._add_locked(record.key, own.nbytes)
+                self._add_locked(
+                    record.key, own.nbytes, namespace=record.namespace, content=content
+                )
                 self._records[record.key] = own
                 self._counts["puts"] += 1
         if ok and write_back and self.config.write_back == "on_put":
@@ -185,9 +220,25 @@ class HostStore(BoundedStore):
         return ok
 
     def _write_back(self, record: ChunkKV) -> None:
-        if self._writer is not None and self._sink is not None:
-            sink = self._sink
-            self._writer.submit(lambda: sink(record))
+        """Queue ``record`` for the sink; the job drops it if a deletion logged after now
+        matches it by the time it runs (the sink, given ``since``, checks again)."""
+        if self._writer is None or self._sink is None:
+            return
+        sink, since = self._sink, self.deletions.seq
+
+        def job() -> None:
+            content = lambda: hash_token_ids(record.token_ids)  # noqa: E731
+            if self.deletions.covers(since, record.namespace, content):
+                with self._lock:
+                    self._counts["deleted_in_flight"] += 1
+                return
+            sink(record, since)
+
+        self._writer.submit(job)
+
+    def _dropped_locked(self, keys: list[str]) -> None:
+        for key in keys:
+            self._records.pop(key, None)
 
     def flush(self) -> None:
         """Wait until every write-back submitted so far has run (tests, shutdown)."""
@@ -239,178 +290,3 @@ class HostStore(BoundedStore):
             dropped = self._pop_records_locked(evicted)
         self._notify(dropped)
         return EvictResult(tuple(k for k, _ in evicted), sum(n for _, n in evicted))
-
-
-class WriteBackStats(NamedTuple):
-    """Cumulative counts of one ``WriteBack``.
-
-    dropped:   refused by ``submit`` (queue full, or shut down); never queued.
-    cancelled: queued, then dropped by ``shutdown``: never run before its deadline, or
-               stopped mid-run (the job raised ``WriteCancelled``).
-    """
-
-    submitted: int
-    completed: int
-    failed: int
-    dropped: int
-    cancelled: int = 0
-
-
-class DrainResult(NamedTuple):
-    """What ``WriteBack.shutdown`` did with the jobs queued or running when it began.
-
-    completed / failed: ran to the end (or raised) during the drain.
-    cancelled: never run, stopped mid-run, or still running when the join gave up.
-    joined:    the worker thread has ended.
-    """
-
-    completed: int
-    failed: int
-    cancelled: int
-    joined: bool
-    seconds: float
-
-
-@dataclass(frozen=True)
-class WriteBackConfig:
-    """max_pending: jobs queued before ``submit`` starts dropping (never blocking:
-    the caller is on the request's critical path and a cache write may be lost)."""
-
-    max_pending: int = 64
-
-    def __post_init__(self) -> None:
-        if self.max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
-
-
-class WriteBack:
-    """One background thread running jobs (e.g. host-to-disk writes, promotions) off
-    the critical path, from a bounded queue. ``flush`` waits for everything submitted
-    so far; ``shutdown`` drains within a deadline and stops the thread; ``close`` is a
-    shutdown without deadline.
-
-    A job that raises ``WriteCancelled`` (a write stopped by shutdown) counts as
-    cancelled, any other exception as failed; the thread keeps serving either way.
-    """
-
-    def __init__(self, config: WriteBackConfig, name: str = "sgl-pic-writeback") -> None:
-        self.config = config
-        self._cond = threading.Condition()
-        self._jobs: deque[Callable[[], object]] = deque()
-        self._running = False  # a job is executing outside the lock
-        self._counts: Counter[str] = Counter()
-        self._closed = False  # intake stopped (submit drops)
-        self._stopping = False  # the thread exits once the queue is empty
-        self._thread = start_thread(self._run, name)
-
-    def submit(self, job: Callable[[], object]) -> bool:
-        """Queue ``job``; False (counted as dropped) when the queue is full or shut down.
-        Never blocks beyond the queue's own lock."""
-        with self._cond:
-            if self._closed or len(self._jobs) >= self.config.max_pending:
-                self._counts["dropped"] += 1
-                return False
-            self._jobs.append(job)
-            self._counts["submitted"] += 1
-            self._cond.notify_all()
-            return True
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._stopping:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-                self._running = True
-            outcome = "completed"
-            try:
-                job()
-            except WriteCancelled:
-                outcome = "cancelled"
-            except Exception:
-                # A failed write only loses a cache entry; keep serving later jobs.
-                outcome = "failed"
-            with self._cond:
-                self._running = False
-                self._counts[outcome] += 1
-                self._cond.notify_all()
-
-    def _idle_locked(self) -> bool:
-        return not self._jobs and not self._running
-
-    def flush(self) -> None:
-        """Block until every job submitted before this call has run."""
-        with self._cond:
-            self._cond.wait_for(self._idle_locked)
-
-    def shutdown(
-        self,
-        timeout_s: float | None,
-        on_deadline: Callable[[], None] | None = None,
-        stop: threading.Event | None = None,
-        join_s: float = 2.0,
-    ) -> DrainResult:
-        """Stop taking jobs, run the queued ones until ``timeout_s`` (None: no deadline)
-        or until ``stop`` is set, drop the rest unrun, and join the thread.
-
-        on_deadline: called when a job is still running at the deadline, to make it stop
-                     early (e.g. ``DiskStore.abort_writes``); the thread then gets
-                     ``join_s`` more seconds. A job that outlives that is counted
-                     cancelled and its daemon thread left to end on its own.
-        Idempotent: a second call changes nothing and reports zeros."""
-        t0 = time.monotonic()
-        deadline = None if timeout_s is None else t0 + max(0.0, timeout_s)
-        with self._cond:
-            if self._closed:
-                return DrainResult(0, 0, 0, not self._thread.is_alive(), 0.0)
-            self._closed = True
-            base = Counter(self._counts)
-            while not self._idle_locked():
-                if stop is not None and stop.is_set():
-                    break
-                if deadline is None:
-                    wait = None if stop is None else 0.05
-                else:
-                    wait = deadline - time.monotonic()
-                    if wait <= 0:
-                        break
-                    if stop is not None:
-                        wait = min(wait, 0.05)  # polled: ``stop`` has no condition
-                self._cond.wait(wait)
-            unrun = len(self._jobs)
-            self._jobs.clear()
-            self._counts["cancelled"] += unrun
-            busy = self._running
-            self._stopping = True
-            self._cond.notify_all()
-        if busy and on_deadline is not None:
-            on_deadline()
-        self._thread.join(None if not busy else join_s)
-        joined = not self._thread.is_alive()
-        with self._cond:
-            gained = Counter(self._counts)
-            gained.subtract(base)
-        return DrainResult(
-            completed=gained["completed"],
-            failed=gained["failed"],
-            cancelled=gained["cancelled"] + (0 if joined else 1),
-            joined=joined,
-            seconds=time.monotonic() - t0,
-        )
-
-    def close(self) -> None:
-        """Run everything queued, then stop the thread (no deadline)."""
-        self.shutdown(None)
-
-    @property
-    def thread_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stats(self) -> WriteBackStats:
-        with self._cond:
-            c = self._counts
-            return WriteBackStats(
-                c["submitted"], c["completed"], c["failed"], c["dropped"], c["cancelled"]
-            )

@@ -18,12 +18,17 @@ When the store is unreachable every call answers a miss or False at once (``Stor
 the keys of the writes skipped then are remembered (up to ``backfill_keys``), and when the
 store is back one background job writes those the server still holds (``set_backfill_source``),
 so an outage does not leave the chunks computed during it out of the shared tier for good.
+
+Deletion: ``delete`` appends a tombstone to the log in the store (``tombstones``) and
+removes the matching keys this server knows (headers it read, records it wrote). Every
+record written carries the count of tombstones its writer had applied; a read of a record
+a later tombstone covers is a miss, and the object is removed. ``sync_deletions`` reads
+the tombstones other servers appended, for the tiers above to apply.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -36,7 +41,6 @@ import numpy as np
 import torch
 
 from sgl_pic.store.base import (
-    DTYPES,
     ChunkKV,
     ChunkStore,
     EvictResult,
@@ -44,10 +48,13 @@ from sgl_pic.store.base import (
     RecordLayout,
     StoreStats,
     check_key,
+    hash_token_ids,
     layer_offsets,
     normalize_indices,
     register_store,
 )
+from sgl_pic.store.deletion import DeleteReport, Deletion
+from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.errors import (
     CorruptRecordError,
     ForeignModelError,
@@ -58,7 +65,6 @@ from sgl_pic.store.errors import (
     UnsupportedFormatError,
 )
 from sgl_pic.store.format import (
-    DIGEST_BYTES,
     PREFIX_BYTES,
     RecordHeader,
     _check_expectations,
@@ -74,6 +80,9 @@ from sgl_pic.store.object_backend import (
     StoreAddress,
     make_backend,
 )
+from sgl_pic.store.shared_backfill import Backfill
+from sgl_pic.store.shared_deletion import Known, SharedDeletions
+from sgl_pic.store.shared_read import read_blocks
 from sgl_pic.store.store_link import LinkConfig, LinkStats, StoreLink
 
 logger = logging.getLogger(__name__)
@@ -92,6 +101,8 @@ class SharedStoreConfig:
     block_tokens:    tokens per checksum block of records this server writes.
     backfill_keys:   keys of writes skipped while the store was down, remembered for
                      when it is back (the oldest forgotten first).
+    tombstones_kept: deletion tombstones kept in memory; a record older than all of them
+                     reads as deleted once more were made (``tombstones``).
     """
 
     url: str
@@ -100,12 +111,15 @@ class SharedStoreConfig:
     header_cache: int = 4096
     block_tokens: int = 32
     backfill_keys: int = 4096
+    tombstones_kept: int = 65536
 
     def __post_init__(self) -> None:
         StoreAddress.parse(self.url)
-        if min(self.write_queue, self.header_cache, self.block_tokens, self.backfill_keys) < 1:
+        sizes = (self.write_queue, self.header_cache, self.block_tokens, self.backfill_keys)
+        if min(*sizes, self.tombstones_kept) < 1:
             raise ValueError(
-                "write_queue, header_cache, block_tokens and backfill_keys must be >= 1"
+                "write_queue, header_cache, block_tokens, backfill_keys and "
+                "tombstones_kept must be >= 1"
             )
 
 
@@ -138,15 +152,29 @@ class SharedStore(ChunkStore):
         self._counts: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
         self._on_write: Callable[[], None] | None = None
-        self._missed: OrderedDict[str, None] = OrderedDict()
-        self._source: Callable[[str], ChunkKV | None] | None = None
-        self.link.on_recover(self._backfill)
+        self.deletions = SharedDeletions(
+            self.link, config.tombstones_kept, config.header_cache, self._known, self._forget
+        )
+        self.backfill = Backfill(
+            config.backfill_keys,
+            self.model_digest,
+            config.block_tokens,
+            self.link,
+            self.deletions,
+            self._writer.submit,
+            self._count,
+            self._notify_write,
+        )
+        self.link.on_recover(self.backfill.on_recover)
 
     # ------------------------------------------------------------------ reads
     def contains(self, key: str) -> bool:
         with self._lock:
-            if key in self._headers:
+            header = self._headers.get(key)
+        if header is not None:
+            if not self.deletions.covers(header):
                 return True
+            self._forget(key)  # deleted since it was read; the store may hold a newer one
         try:
             return self.link.call(lambda b: b.exists([key])[0])
         except (BackendUnavailable, BackendError):
@@ -177,35 +205,55 @@ class SharedStore(ChunkStore):
             self.link.call(lambda b: b.remove(key))
 
     def _header(self, key: str, token_ids: Sequence[int] | None) -> RecordHeader | None:
-        """The key's checked header (cached), or None on a miss or a bad object (counted).
-        Raises BackendUnavailable."""
-        with self._lock:
-            header = self._headers.get(key)
-            if header is not None:
-                self._headers.move_to_end(key)
-        if header is None:
-            size = self.link.call(lambda b: b.size(key))
-            if size is None:
-                return None
-            head = self.link.call(lambda b: b.read_ranges(key, [(0, min(size, _HEAD_READ))]))
-            if head is None:
-                return None
+        """The key's checked header (cached), or None on a miss, a bad object (counted) or
+        a record a deletion tombstone covers (counted "tombstoned", removed). Raises
+        BackendUnavailable."""
+        for attempt in range(2):
+            with self._lock:
+                header = self._headers.get(key)
+                if header is not None:
+                    self._headers.move_to_end(key)
+            cached = header is not None
+            if header is None:
+                header = self._fetch_header(key)
+                if header is None:
+                    return None
             try:
-                header = self._parse(key, head.tobytes(), size)
-            except (StoreError, BackendError) as exc:
+                _check_expectations(header, self.model_digest, key, token_ids)
+                if self.layout is not None:
+                    self.layout.check_header(header)
+            except StoreError as exc:  # other tokens, another key, or another KV layout
                 self._bad(key, exc)
                 return None
-            with self._lock:
-                self._headers[key] = header
-                while len(self._headers) > self.config.header_cache:
-                    self._headers.popitem(last=False)
+            if not self.deletions.covers(header):
+                return header
+            self._forget(key)
+            if cached and not attempt:
+                continue  # cached before the tombstone: the object may be a newer one now
+            # Written before a deletion that covers it: a miss, and the object goes.
+            self._count("tombstoned")
+            with contextlib.suppress(BackendUnavailable, BackendError):
+                self.link.call(lambda b: b.remove(key))
+            return None
+        return None
+
+    def _fetch_header(self, key: str) -> RecordHeader | None:
+        """The header read from the store and cached; None on a miss or a bad object."""
+        size = self.link.call(lambda b: b.size(key))
+        if size is None:
+            return None
+        head = self.link.call(lambda b: b.read_ranges(key, [(0, min(size, _HEAD_READ))]))
+        if head is None:
+            return None
         try:
-            _check_expectations(header, self.model_digest, key, token_ids)
-            if self.layout is not None:
-                self.layout.check_header(header)
-        except StoreError as exc:  # other tokens, another key, or another KV layout
+            header = self._parse(key, head.tobytes(), size)
+        except (StoreError, BackendError) as exc:
             self._bad(key, exc)
             return None
+        with self._lock:
+            self._headers[key] = header
+            while len(self._headers) > self.config.header_cache:
+                self._headers.popitem(last=False)
         return header
 
     def _parse(self, key: str, head: bytes, size: int) -> RecordHeader:
@@ -239,55 +287,7 @@ class SharedStore(ChunkStore):
     ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """(k, v # [len(offsets), n, heads, head_dim], bytes moved) of the tokens ``idx``
         of record layers ``offsets``, every touched block verified; None on a miss."""
-        h = header
-        bt, row = h.block_tokens, h.row_bytes
-        blocks = np.unique(idx // bt).tolist()
-        # Runs of adjacent blocks become one range each.
-        runs: list[tuple[int, int]] = []
-        for b in blocks:
-            if runs and runs[-1][1] == b:
-                runs[-1] = (runs[-1][0], b + 1)
-            else:
-                runs.append((b, b + 1))
-        ranges: list[tuple[int, int]] = []
-        for lo in offsets:
-            for which in (0, 1):
-                area = h.data_offset + (2 * lo + which) * h.layer_bytes
-                for b0, b1 in runs:
-                    first, last = b0 * bt, min(b1 * bt, h.num_tokens)
-                    ranges.append((area + first * row, (last - first) * row))
-        data = self.link.call(lambda b: b.read_ranges(key, ranges))
-        if data is None:
-            return None
-        out = np.empty((2, len(offsets), idx.size, row), dtype=np.uint8)
-        pos = 0
-        for i, lo in enumerate(offsets):
-            for which, sums in ((0, h.k_sums[lo]), (1, h.v_sums[lo])):
-                # Rows of this (layer, K/V) area that were read, in token order.
-                got = []
-                for b0, b1 in runs:
-                    first, last = b0 * bt, min(b1 * bt, h.num_tokens)
-                    n = (last - first) * row
-                    part = data[pos : pos + n]
-                    pos += n
-                    for b in range(b0, b1):
-                        s = (b - b0) * bt * row
-                        e = min((b + 1 - b0) * bt, last - first) * row
-                        want = sums[b * DIGEST_BYTES : (b + 1) * DIGEST_BYTES]
-                        if hashlib.sha256(part[s:e]).digest() != want:
-                            raise CorruptRecordError(
-                                f"checksum mismatch in layer {lo + h.layer_start}, block {b}"
-                            )
-                    got.append((first, part.reshape(-1, row)))
-                # Scattered back to token positions, so ``idx`` indexes them directly.
-                rows = np.empty((h.num_tokens, row), dtype=np.uint8)
-                for first, block_rows in got:
-                    rows[first : first + block_rows.shape[0]] = block_rows
-                np.take(rows, idx, axis=0, out=out[which, i])
-        dtype = DTYPES[h.dtype]
-        shape = (len(offsets), idx.size, h.num_kv_heads, h.head_dim)
-        kv = torch.from_numpy(out).view(dtype)
-        return kv[0].reshape(shape), kv[1].reshape(shape), int(data.size)
+        return read_blocks(self.link, key, header, offsets, idx)
 
     def _read_checked(
         self,
@@ -412,8 +412,12 @@ class SharedStore(ChunkStore):
                 return False
         if not self.link.stats().up:
             self._count("writes_skipped")
-            self._remember(record.key)
+            self.backfill.remember(record.key)
             return False
+        # Taken now, in the caller's order with the deletions it applies: the write is
+        # dropped if a deletion made after now matches, and its header tells readers
+        # which tombstones it predates.
+        since, seen = self.deletions.marks()
         with self._lock:
             if record.key in self._pending or record.key in self._headers:
                 return True
@@ -435,15 +439,21 @@ class SharedStore(ChunkStore):
 
         def write() -> None:
             try:
-                enc = encode_record(record, self.config.block_tokens)
+                content = hash_token_ids(record.token_ids)
+                if self.deletions.dropped(since, record.namespace, content):
+                    self._count("deleted_in_flight")
+                    return
+                enc = encode_record(record, self.config.block_tokens, seen)
                 outcome = self.link.call(
                     lambda b: b.put_if_absent(record.key, [enc.head, *enc.areas]),
                     background=True,
                 )
                 self._count("stored" if outcome is PutOutcome.STORED else "present")
+                if outcome is PutOutcome.STORED:
+                    self.deletions.wrote(record.key, record.namespace, content, record.nbytes)
             except BackendUnavailable:
                 self._count("write_failed")
-                self._remember(record.key)
+                self.backfill.remember(record.key)
                 raise
             except BackendError:
                 self._count("write_failed")
@@ -451,9 +461,7 @@ class SharedStore(ChunkStore):
             finally:
                 with self._lock:
                     self._pending.discard(record.key)
-                    listener = self._on_write
-                if listener is not None:
-                    listener()
+                self._notify_write()
 
         if not self._writer.submit(write):
             with self._lock:
@@ -465,57 +473,50 @@ class SharedStore(ChunkStore):
         """Where the backfill after an outage reads a remembered key's record from (this
         server's own tiers; None when they no longer hold it). Called from the writer
         thread; it must not raise."""
-        with self._lock:
-            self._source = source
+        self.backfill.set_source(source)
 
-    def _remember(self, key: str) -> None:
-        with self._lock:
-            self._missed[key] = None
-            self._missed.move_to_end(key)
-            while len(self._missed) > self.config.backfill_keys:
-                self._missed.popitem(last=False)
-
-    def _backfill(self) -> None:
-        """The store is back: one queued job writes the remembered keys still held here."""
-        with self._lock:
-            if self._source is None or not self._missed:
-                return
-        if not self._writer.submit(self._run_backfill):
-            logger.warning("sgl_pic: shared write queue full; backfill waits for the next outage")
-
-    def _run_backfill(self) -> None:
-        with self._lock:
-            keys, self._missed = list(self._missed), OrderedDict()
-            source = self._source
-        assert source is not None
-        written = 0
-        for i, key in enumerate(keys):
-            record = source(key)
-            if record is None or record.model_digest != self.model_digest:
-                continue  # no longer held here: nothing to give
-            try:
-                enc = encode_record(record, self.config.block_tokens)
-                outcome = self.link.call(
-                    lambda b, r=record, e=enc: b.put_if_absent(r.key, [e.head, *e.areas]),
-                    background=True,
-                )
-            except BackendUnavailable:
-                for rest in keys[i:]:
-                    self._remember(rest)  # down again: the rest wait for the next recovery
-                self._count("write_failed")
-                break
-            except BackendError:
-                self._count("write_failed")
-                continue
-            self._count("stored" if outcome is PutOutcome.STORED else "present")
-            written += outcome is PutOutcome.STORED
-        self._count("backfilled", written)
+    def _notify_write(self) -> None:
         with self._lock:
             listener = self._on_write
         if listener is not None:
             listener()
-        if written:
-            logger.info("sgl_pic: shared store back; %d skipped segment(s) written", written)
+
+    # --------------------------------------------------------------- deletion
+    def set_deletions(self, log: DeletionLog) -> None:
+        """Share the tiers' deletion log (``TieredStore``): a write queued before a
+        deletion made through any tier is dropped when it runs. Call before any put."""
+        self.deletions.log = log
+
+    def delete(self, d: Deletion, logged: bool = False) -> DeleteReport:
+        """Append a tombstone for ``d`` (so every server sharing the store stops serving
+        what it matches and was written before), then remove the matching keys this
+        server knows (headers it read, records it wrote); reports those. While the store
+        is unreachable the tombstone waits (``unsent_deletions``, retried by
+        ``sync_deletions``) and this server's own reads already honour it. ``logged``:
+        the caller appended ``d`` to the shared deletion log already. Called from the
+        scheduler thread, after the tiers above removed their copies."""
+        return self.deletions.delete(d, logged)
+
+    def sync_deletions(
+        self, apply: Callable[[Deletion], object] | None = None
+    ) -> tuple[Deletion, ...]:
+        """Send the tombstones waiting for the store, read those other servers appended
+        since the last call (one small read when none is new; none while the store is
+        down), log each, remove the matching keys known here, pass each to ``apply``
+        (the tiers above remove their copies), and only then count them as applied in
+        the headers of later writes. Returns them. Called from the scheduler thread."""
+        return self.deletions.sync(apply)
+
+    def unsent_deletions(self) -> int:
+        """Deletions whose tombstone is not in the store yet (it was unreachable)."""
+        return self.deletions.unsent()
+
+    def _known(self) -> dict[str, Known]:
+        with self._lock:
+            return {
+                k: (h.namespace, h.token_ids_hash, h.payload_bytes)
+                for k, h in self._headers.items()
+            }
 
     def evict(self, nbytes: int) -> EvictResult:
         return EvictResult((), 0)

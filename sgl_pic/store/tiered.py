@@ -6,6 +6,10 @@ The shared tier (``sgl_pic.store.shared``, a store several servers use) is the l
 looked up; new records are written to it asynchronously as well as to host memory, so a
 chunk one server computed is a hit on the others.
 
+Deletion (``delete``) reaches every tier at once; the tiers share one ``DeletionLog``, so
+work queued before a deletion (write-back to disk, promotions, shared writes, backfill)
+drops what it matches when it runs instead of bringing it back.
+
 The device (GPU) tier belongs to the SGLang integration: it demotes by calling ``put``
 with a record copied to the host, and may report residency through ``DeviceTier`` so
 ``locate`` can say where a chunk lives.
@@ -32,6 +36,8 @@ from sgl_pic.store.base import (
     check_key,
     register_store,
 )
+from sgl_pic.store.deletion import DeleteReport, Deletion
+from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
 from sgl_pic.store.format import WriteCancelled
 from sgl_pic.store.host import (
@@ -131,10 +137,20 @@ class TieredStore(ChunkStore):
             raise ValueError("the shared tier was built for another record layout")
         self.device = device
         self.shared = shared
-        self.disk = DiskStore(config.disk, model_digest, layout)
-        self.host = HostStore(config.host, model_digest, write_back_to=self.disk.put, layout=layout)
+        # One log for every tier: a job queued against one tier checks deletions made
+        # through any of them.
+        self.deletions = DeletionLog()
+        self.disk = DiskStore(config.disk, model_digest, layout, self.deletions)
+        self.host = HostStore(
+            config.host,
+            model_digest,
+            layout=layout,
+            write_back_since_to=self.disk.put,
+            deletions=self.deletions,
+        )
         if shared is not None:
             shared.set_backfill_source(self._local_record)
+            shared.set_deletions(self.deletions)
         self._promoter = WriteBack(WriteBackConfig(config.promotion_queue), "sgl-pic-promote")
         self._promoting: set[str] = set()
         self._lock = threading.Lock()
@@ -184,6 +200,7 @@ class TieredStore(ChunkStore):
         return None
 
     def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
+        since = self.deletions.seq
         if self.host.contains(key):
             record = self.host.get(key, token_ids)
             if record is not None:
@@ -193,7 +210,7 @@ class TieredStore(ChunkStore):
             record = self.shared.get(key, token_ids)
         if record is not None and self.config.promote_on_get:
             # Already on disk or shared: no write-back of the promoted copy.
-            self.host.insert(record, write_back=False)
+            self.host.insert(record, write_back=False, since=since)
         return record
 
     def get_layers(
@@ -219,6 +236,7 @@ class TieredStore(ChunkStore):
             if key in self._promoting:
                 return
             self._promoting.add(key)
+        since = self.deletions.seq
 
         def promote() -> None:
             try:
@@ -227,7 +245,8 @@ class TieredStore(ChunkStore):
                     if record is None and self.shared is not None:
                         record = self.shared.get(key, token_ids)
                     if record is not None:
-                        self.host.insert(record, write_back=False)
+                        # Dropped if a deletion made since it was queued matches.
+                        self.host.insert(record, write_back=False, since=since)
             finally:
                 with self._lock:
                     self._promoting.discard(key)
@@ -248,6 +267,32 @@ class TieredStore(ChunkStore):
         except WriteCancelled:
             # ``shutdown`` stopped this direct write mid-way; it left no file.
             return shared
+
+    def delete(self, d: Deletion) -> dict[str, DeleteReport]:
+        """Remove what ``d`` matches from every tier ("host", "disk", and "shared" with a
+        shared tier, which also appends a tombstone for the other servers); work queued
+        before now drops what ``d`` matches when it runs. Called from the scheduler
+        thread; safe while the background writers run."""
+        self.deletions.append(d)  # first: an insert racing the removal sees it
+        out = {"host": self.host.remove_matching(d), "disk": self.disk.remove_matching(d)}
+        if self.shared is not None:
+            out["shared"] = self.shared.delete(d, logged=True)
+        return out
+
+    def sync_deletions(self) -> tuple[Deletion, ...]:
+        """Deletions other servers appended to the shared store's tombstone log since the
+        last call (one small backend read when there are none; none while the store is
+        unreachable), applied to the host and disk tiers as ``delete`` applies them, and
+        returned for the scheduler to apply to its device chunk nodes. () without a
+        shared tier. Called from the scheduler thread before each lookup batch."""
+        if self.shared is None:
+            return ()
+        return self.shared.sync_deletions(self._remove_local)
+
+    def _remove_local(self, d: Deletion) -> None:
+        # The shared tier logged ``d`` in ``deletions`` (the same log) already.
+        self.host.remove_matching(d)
+        self.disk.remove_matching(d)
 
     def evict(self, nbytes: int) -> EvictResult:
         """Evicts from host memory only (evicted records demote to disk per

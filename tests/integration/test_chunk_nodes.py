@@ -540,11 +540,62 @@ class PagedChunkTableMachine(ChunkTableMachine):
     capacity = 24
 
 
+class TenantChunkTableMachine(ChunkTableMachine):
+    """The same with a per-namespace cap, inserts into two namespaces, and deletions (a
+    locked node deleted leaves the index, and its slots return when it is unlocked)."""
+
+    cap = 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = ChunkNodeTable(
+            self.alloc, FP, SEG, self.capacity, namespace_max_tokens=self.cap
+        )
+
+    @rule(tokens=chunks, ns=st.sampled_from(["a", "b"]))
+    def insert_in(self, tokens: list[int], ns: str) -> None:
+        self.table.insert(tokens, None, ns)
+
+    @rule(tokens=chunks, ns=st.sampled_from(["a", "b"]))
+    def lock_hit_in(self, tokens: list[int], ns: str) -> None:
+        hit = self.table.match(tokens, ns)
+        if hit is not None:
+            self.table.lock(hit.nodes)
+            self.holds.append(hit.nodes)
+
+    @rule(ns=st.sampled_from(["", "a", "b"]), tokens=st.none() | chunks)
+    def delete(self, ns: str, tokens: list[int] | None) -> None:
+        from sgl_pic.store.deletion import Deletion, segment_contents
+
+        contents = None if tokens is None else segment_contents(tokens, SEG)
+        self.table.delete(Deletion(namespaces=frozenset({ns}), contents=contents))
+        if tokens is not None:
+            assert self.table.match(tokens, ns) is None
+
+    @invariant()
+    def accounting(self) -> None:
+        t = self.table
+        assert t.evictable_tokens + t.protected_tokens == t.allocated_tokens
+        by_ns = t.tokens_by_namespace()
+        assert sum(by_ns.values()) == t.allocated_tokens
+        assert all(0 < v <= self.cap for v in by_ns.values())
+        external = sum(int(s.numel()) for s in self.external)
+        assert len(self.alloc.allocated) == t.allocated_tokens + external
+        locked = {id(n): n for nodes in self.holds for n in nodes}
+        assert t.protected_tokens == sum(n.allocated for n in locked.values())
+        for n in locked.values():
+            # A deleted node is out of the index (its key may be a new node's by now).
+            assert n.deleted or t.contains(n.key)
+            assert set(n.slots.tolist()) <= self.alloc.allocated
+
+
 _machine_settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestChunkTable = ChunkTableMachine.TestCase
 TestChunkTable.settings = _machine_settings
 TestPagedChunkTable = PagedChunkTableMachine.TestCase
 TestPagedChunkTable.settings = _machine_settings
+TestTenantChunkTable = TenantChunkTableMachine.TestCase
+TestTenantChunkTable.settings = _machine_settings
 
 
 def test_chunk_nodes_whose_kv_could_not_be_written_are_taken_back() -> None:
@@ -567,3 +618,113 @@ def test_chunk_nodes_whose_kv_could_not_be_written_are_taken_back() -> None:
     with pytest.raises(ValueError, match="refused"):
         ex._store(tuple(x), torch.zeros(1, 2, len(x), 1, 1), None)
     assert table.match(x) is None and len(table) == 0 and alloc.free_slots() == free
+
+
+# --------------------------------------------------------------------- deletion
+def test_delete_by_namespace_leaves_other_namespaces() -> None:
+    from sgl_pic.store.deletion import Deletion
+
+    table, alloc = make_table()
+    x = toks(100, 10)
+    assert table.insert(x, None, "a") and table.insert(x, None, "b")
+    rep = table.delete(Deletion(namespaces=frozenset({"a"})))
+    assert (rep.records, rep.tokens, rep.pending_tokens) == (3, 10, 0)
+    assert table.match(x, "a") is None and table.match(x, "b") is not None
+    assert table.allocated_tokens == 10 and len(alloc.free_slots()) == len(alloc.initial_free) - 10
+    assert_released(table, alloc)
+
+
+def test_delete_by_content_takes_the_chain_after_a_deleted_segment() -> None:
+    from sgl_pic.store.deletion import Deletion, segment_contents
+
+    table, alloc = make_table()
+    x, y = toks(100, 10), toks(200, 8)
+    assert table.insert(x, None) and table.insert(y, None)
+    # Only x's first segment named: its successors could never hit again, so they go too.
+    rep = table.delete(Deletion(contents=segment_contents(x[:4], SEG)))
+    assert rep.records == 3 and table.match(x) is None and table.match(y) is not None
+    assert not any(held(table, x)) and table.allocated_tokens == 8
+    assert table.delete(Deletion(contents=segment_contents(y, SEG))).records == 2
+    assert len(table) == 0 and alloc.free_slots() == alloc.initial_free
+
+
+def test_a_locked_node_leaves_the_index_at_once_and_frees_its_slots_when_unlocked() -> None:
+    from sgl_pic.store.deletion import Deletion
+
+    table, alloc = make_table()
+    x = toks(100, 10)
+    assert table.insert(x, None, "a")
+    hit = table.match(x, "a")
+    assert hit is not None
+    table.lock(hit.nodes)  # a running request copies them out
+    rep = table.delete(Deletion(namespaces=frozenset({"a"})))
+    assert (rep.records, rep.pending_tokens) == (3, 10)
+    assert table.match(x, "a") is None and len(table) == 0
+    # Still the request's: protected, not evictable, not back in the allocator.
+    assert table.protected_tokens == 10 and table.evictable_tokens == 0
+    assert len(alloc.free_slots()) == len(alloc.initial_free) - 10
+    # A new copy of the same chunk is computed afresh into new slots.
+    again = table.insert(x, None, "a")
+    assert again is not None and len(again[0]) == 3
+    table.unlock(hit.nodes)
+    assert table.protected_tokens == 0 and table.allocated_tokens == 10
+    assert len(alloc.free_slots()) == len(alloc.initial_free) - 10
+    assert_released(table, alloc)
+
+
+def test_a_deletion_stops_promotions_under_way() -> None:
+    from sgl_pic.store.deletion import Deletion
+
+    table, _ = make_table()
+    before = table.generation
+    table.delete(Deletion(namespaces=frozenset({"nobody"})))
+    assert table.generation == before + 1
+
+
+# --------------------------------------------------------------------- fair share
+@pytest.mark.parametrize("policy", ["lru", "lfu", "gdsf"])
+@pytest.mark.parametrize("capacity", [48, 32])  # room for both caps; room for less
+def test_one_namespaces_churn_never_evicts_anothers_within_its_cap(
+    policy: str, capacity: int
+) -> None:
+    alloc = FakeAllocator(64)
+    table = ChunkNodeTable(alloc, FP, SEG, capacity, policy, namespace_max_tokens=24)
+    quiet = [toks(1000 + 10 * i, 4) for i in range(4)]  # 16 slots, within the cap of 24
+    for x in quiet:
+        assert table.insert(x, None, "quiet")
+    for i in range(200):  # churn: novel chunks, far past the cap and the capacity
+        assert table.insert(toks(5000 + 10 * i, 4), None, "busy") is not None
+        assert table.tokens_by_namespace()["busy"] <= 24
+        if i % 7 == 0:
+            table.match(toks(5000 + 10 * i, 4), "busy")  # some of its own come back
+    assert all(table.match(x, "quiet") is not None for x in quiet)
+    assert table.tokens_by_namespace() == {"quiet": 16, "busy": min(24, capacity - 16)}
+    assert_released(table, alloc)
+
+
+def test_without_a_cap_churn_evicts_across_namespaces() -> None:
+    alloc = FakeAllocator(64)
+    table = ChunkNodeTable(alloc, FP, SEG, 48, "lru")
+    quiet = [toks(1000 + 10 * i, 4) for i in range(4)]
+    for x in quiet:
+        assert table.insert(x, None, "quiet")
+    for i in range(40):
+        assert table.insert(toks(5000 + 10 * i, 4), None, "busy") is not None
+    assert all(table.match(x, "quiet") is None for x in quiet)
+
+
+def test_a_namespace_at_its_cap_gives_up_its_own_and_never_more_than_it_has() -> None:
+    alloc = FakeAllocator(64)
+    table = ChunkNodeTable(alloc, FP, SEG, 64, "lru", namespace_max_tokens=8)
+    a, b = toks(100, 4), toks(200, 4)
+    assert table.insert(a, None, "n") and table.insert(b, None, "n")
+    hit = table.match(a, "n")
+    assert hit is not None
+    table.lock(hit.nodes)  # a running request holds a: only b can make room
+    assert table.insert(toks(300, 4), None, "n")
+    assert table.match(a, "n") is not None and table.match(b, "n") is None
+    # A chunk bigger than the cap is never stored, and nothing is evicted for it.
+    assert table.insert(toks(400, 12), None, "n") is None and len(table) == 2
+    table.unlock(hit.nodes)
+    with pytest.raises(ValueError, match="namespace_max_tokens"):
+        ChunkNodeTable(alloc, FP, SEG, 64, namespace_max_tokens=-1)

@@ -8,6 +8,9 @@ from typing import Any
 import pytest
 
 from sgl_pic.config import PicConfig
+from sgl_pic.integration import delete_command
+from sgl_pic.integration.chunk_nodes import ChunkNodeTable
+from sgl_pic.integration.deleter import Deleter
 from sgl_pic.integration.gate import (
     PENDING_ATTR,
     UNTRUSTED_NAMESPACE,
@@ -16,7 +19,10 @@ from sgl_pic.integration.gate import (
 )
 from sgl_pic.integration.metrics import PicMetrics
 from sgl_pic.integration.spans import MAC_KEY, MarkSigner, encode
+from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
+from sgl_pic.store.deletion import Deletion
+from tests.integration.fakes import FakeAllocator
 
 VOCAB = 100
 SIGNER = MarkSigner("secret")
@@ -257,3 +263,105 @@ def test_marks_of_a_request_for_every_hidden_state_are_not_honoured(
     if not honoured:
         assert_plain(r)
     assert ignored(metrics, "hidden_states") == before + (0 if honoured else 1)
+
+
+# --------------------------------------------------------------------- deletion orders
+class RecordingDeleter:
+    """Records the orders it is asked to execute."""
+
+    def __init__(self) -> None:
+        self.orders: list[Any] = []
+
+    def execute(self, deletion: Any) -> dict[str, Any]:
+        self.orders.append(deletion)
+        return {"tiers": {"device": {"records": 3}}}
+
+
+def refused(metrics: PicMetrics, reason: str) -> float:
+    return metrics.requests_refused.labels(reason=reason)._value.get()
+
+
+def test_a_signed_deletion_order_is_executed_and_refused_with_its_report(
+    metrics: PicMetrics,
+) -> None:
+
+    deleter = RecordingDeleter()
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter)
+    order = Deletion(namespaces=frozenset({"ns-a"}), contents=frozenset({"c1", "c2"}))
+    r = req([0], delete_command.encode(order, SIGNER))
+    message = g.admit(r)
+    assert message is not None and deleter.orders == [order]
+    assert delete_command.parse_report(message) == {"tiers": {"device": {"records": 3}}}
+    assert not hasattr(r, PENDING_ATTR)
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other_secret", "mark_mac", "altered"])
+def test_a_forged_deletion_order_is_refused_counted_and_never_executed(
+    metrics: PicMetrics, forgery: str
+) -> None:
+
+    deleter = RecordingDeleter()
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter)
+    order = Deletion(namespaces=frozenset({""}))
+    custom = delete_command.encode(order, SIGNER)
+    payload = custom[delete_command.COMMAND_KEY]
+    if forgery == "unsigned":
+        del custom[delete_command.COMMAND_MAC_KEY]
+    elif forgery == "other_secret":
+        custom = delete_command.encode(order, MarkSigner("guessed"))
+    elif forgery == "mark_mac":
+        # A MAC the edge made for chunk marks is no command's MAC.
+        marks = encode(PromptLayout.from_spans(3, [[0, 2]]), {})
+        custom[delete_command.COMMAND_MAC_KEY] = SIGNER.sign([0, 1, 2], marks)
+    else:
+        widened = payload.replace('"namespaces":[""]', '"namespaces":null')
+        custom[delete_command.COMMAND_KEY] = widened
+    before = refused(metrics, "forged_command")
+    message = g.admit(req([0], custom))
+    assert message is not None and delete_command.parse_report(message) is None
+    assert "not signed" in message
+    assert deleter.orders == [] and refused(metrics, "forged_command") == before + 1
+
+
+def test_a_deletion_order_is_refused_where_reuse_is_off(metrics: PicMetrics) -> None:
+
+    custom = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
+    # No secret in this process: nothing is signed, so nothing executes.
+    message = gate(metrics, None).admit(req([0], custom))
+    assert message is not None and delete_command.parse_report(message) is None
+    # A secret but no chunk KV kept here.
+    message = gate(metrics).admit(req([0], custom))
+    assert message is not None and "unavailable" in message
+
+
+def test_a_deletion_that_fails_is_refused_not_run(metrics: PicMetrics) -> None:
+
+    class Failing:
+        def execute(self, deletion: Any) -> dict[str, Any]:
+            raise OSError("disk gone")
+
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=Failing())
+    custom = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
+    message = g.admit(req([0], custom))
+    assert message is not None and "disk gone" in message
+
+
+def test_after_a_deletion_chunked_requests_take_fresh_tree_namespaces(
+    metrics: PicMetrics,
+) -> None:
+
+    table = ChunkNodeTable(FakeAllocator(8), ModelFingerprint(model_id="m", dtype="f32"), 4, 8)
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=Deleter(table))
+    spans = [[0, 5], [5, 12]]
+    before = req(IDS, signed(IDS, spans), "user")
+    assert g.admit(before) is None
+    order = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
+    assert g.admit(req([0], order)) is not None
+    after = req(IDS, signed(IDS, spans), "user")
+    assert g.admit(after) is None
+    # Nodes the earlier request made (or still holds) cannot be matched by later ones.
+    assert before.extra_key != after.extra_key
+    assert after.extra_key == namespace(CONFIG, "user", generation=1)
+    # No client key imitates a generation: it stands before the first "|".
+    assert namespace(CONFIG, "user") != namespace(CONFIG, None, generation=1)
+    assert after.extra_key != namespace(CONFIG, "@1|user")

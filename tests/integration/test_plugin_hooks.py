@@ -274,3 +274,30 @@ def test_kernels_are_prepared_once_at_start_up_for_a_cuda_pool(
     assert plugin.prepare_kernels(torch.device("cpu")) is None and calls == []
     assert plugin.prepare_kernels(torch.device("cuda", 1)) == "ready"
     assert calls == [torch.device("cuda", 1)]
+
+
+def test_per_namespace_caps_reach_the_host_and_disk_tiers(tmp_path: Any) -> None:
+    """--pic-namespace-host-mb / --pic-namespace-disk-mb become the tiers' fair-share caps
+    (0: none), as the server builds them."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.integration.model_rope import ModelRope
+    from sgl_pic.integration.settings import PicServerSettings
+    from sgl_pic.keys import ModelFingerprint
+    from sgl_pic.rope import default_inv_freq
+
+    rope = ModelRope.plain(default_inv_freq(8, 10000.0))
+    fingerprint = ModelFingerprint(model_id="m", dtype="float32")
+    for host_mb, disk_mb in ((0, 0), (3, 5)):
+        settings = PicServerSettings(
+            PicConfig(),
+            host_cache_mb=4,
+            disk_cache_dir=str(tmp_path / f"d{disk_mb}"),
+            namespace_host_mb=host_mb,
+            namespace_disk_mb=disk_mb,
+        )
+        lower = plugin.lower_tiers_of(settings, fingerprint, rope.spec)
+        try:
+            assert lower.store.host.config.namespace_max_bytes == host_mb * 2**20
+            assert lower.store.disk.config.namespace_max_bytes == disk_mb * 2**20
+        finally:
+            lower.store.close()

@@ -321,3 +321,57 @@ def test_chunk_node_count_is_reported_when_eviction_or_a_flush_frees_nodes(page_
     env.cache.unlock(tree_lock)
     env.cache.reset()
     assert seen[-1] == 0 and len(seen) == 3
+
+
+@PAGES
+def test_a_deletion_evicts_the_unlocked_tree_and_keeps_sglangs_sizes(page_size: int) -> None:
+    from sgl_pic.integration.deleter import Deleter
+    from sgl_pic.store.deletion import Deletion, segment_contents
+
+    env = Env(page_size)
+    tree_lock, y_nodes = env.populate()
+    c, t = env.cache, env.table
+    nodes_before = len(t)
+    report = Deleter(t, c).execute(Deletion(contents=segment_contents(CHUNK_Y, SEG)))
+    env.conserved()
+    # Prefix A (unlocked) evicted by SGLang's own eviction; B, locked, stays. No chunk
+    # node but the one deleted is touched.
+    assert report["prefix_tree_evicted_tokens"] == 12
+    assert env.sgl_evictable() == 0 and env.sgl_protected() == 8
+    assert report["tiers"]["device"] == {"records": 1, "tokens": 4, "pending_tokens": 4}
+    assert len(t) == nodes_before - 1 and env.held(CHUNK_Y) == [False]
+    # Y is still the running request's until it lets go, then back in the allocator.
+    assert t.protected_tokens == 4
+    t.unlock(y_nodes)
+    env.conserved()
+    assert t.protected_tokens == 0 and env.held(CHUNK_X) == [True, True]
+    c.unlock(tree_lock)
+    env.conserved()
+
+
+def test_a_node_a_running_request_holds_is_not_matched_after_a_deletion() -> None:
+    """SGLang cannot evict a locked node; the deletion's fresh namespace makes it
+    unreachable for every later request instead (``gate.namespace``)."""
+    from sgl_pic.config import PicConfig
+    from sgl_pic.integration.deleter import Deleter
+    from sgl_pic.integration.gate import namespace
+    from sgl_pic.store.deletion import Deletion
+
+    env = Env(1)
+    deleter = Deleter(env.table, env.cache)
+    old = namespace(PicConfig(), "tenant", generation=deleter.generation)
+    slots = env.alloc.alloc(len(TREE_B))
+    env.cache.insert(InsertParams(key=RadixKey(array("q", TREE_B), old), value=slots))
+    m = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", TREE_B), old)))
+    lock = env.cache.lock(m.last_device_node)  # the running request's
+    deleter.execute(Deletion(namespaces=frozenset({""})))
+    env.conserved()
+    assert env.sgl_protected() == len(TREE_B)  # still held
+    new = namespace(PicConfig(), "tenant", generation=deleter.generation)
+    again = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", TREE_B), new)))
+    assert again.device_prefix_len == 0
+    # It is there all the same: the old namespace would still match it.
+    stale = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", TREE_B), old)))
+    assert stale.device_prefix_len == len(TREE_B)
+    env.cache.unlock(lock)
+    env.conserved()
