@@ -141,6 +141,6 @@ def add_out_option(
 
 
 def add_server_args_option(parser: argparse.ArgumentParser, **kwargs: Any) -> None:
-    """``--server-args``: extra ``sgl_pic.launch_server`` flags, one shell-quoted string;
+    """``--server-args``: extra ``python -m sgl_pic.launch_server`` flags, one shell-quoted string;
     ``kwargs`` go to ``add_argument`` (help)."""
     parser.add_argument("--server-args", default="", **{"help": "extra server flags", **kwargs})

@@ -1,7 +1,7 @@
 """Shared helpers of the serving benchmarks: launch ``python -m sgl_pic.launch_server`` in
 its own process group, talk to it over HTTP, and give each request a fresh header.
 
-The server runs in its own process group (``sgl_pic.server_process``): SGLang SIGKILLs its
+The server runs in its own process group (``sgl_pic.cli.server_process``): SGLang SIGKILLs its
 parent when a child fails.
 """
 
@@ -156,7 +156,7 @@ def launch(
     whole process group. Its log is a temporary file, kept (its path is printed unless
     ``quiet``). ``env_extra``: variables added to its environment (e.g. OMP_NUM_THREADS);
     ``root``: the checkout whose code it runs (another commit's worktree, say)."""
-    from sgl_pic.server_process import server_process
+    from sgl_pic.cli.server_process import server_process
 
     env = server_env(root, dict(env_extra or {}))
     t0 = time.monotonic()

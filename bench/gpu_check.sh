@@ -112,7 +112,7 @@ if have pytest; then
     tests/ops/test_cuda.py tests/ops/test_pool.py 2>&1 | tee "$OUT/tests.log"
   rc_ops=${PIPESTATUS[0]}
   timeout "$(left 90)" "$PY" -m pytest -q -rs -p no:cacheprovider \
-    --confcutdir=tests/integration tests/integration/test_layer_feed.py 2>&1 |
+    --confcutdir=tests/integration tests/engine/test_layer_feed.py 2>&1 |
     tee -a "$OUT/tests.log"
   rc_feed=${PIPESTATUS[0]}
   rc_tests=$((rc_ops || rc_feed))

@@ -50,14 +50,14 @@ from workloads import (  # noqa: E402
     warm_up,
 )
 
-from sgl_pic.integration.attention import block_cuts  # noqa: E402
+from sgl_pic.binding.attention import block_cuts  # noqa: E402
 
 RECORD_VAR = "SGL_PIC_BENCH_QUERY_BLOCKS_OUT"
 SITECUSTOMIZE = f'''
 import json, os
 _out = os.environ.get("{RECORD_VAR}")
 if _out:
-    from sgl_pic.integration import attention as _attention
+    from sgl_pic.binding import attention as _attention
     _query_blocks = _attention.query_blocks
 
     def _recording(q_index, num_keys):

@@ -146,7 +146,7 @@ def stream_request(url: str, prompt: Prompt, max_new_tokens: int) -> dict[str, f
 @contextmanager
 def router(workers: list[str], policy: str) -> Iterator[str]:
     """SGLang's router over ``workers`` with ``policy``, stopped on exit."""
-    from sgl_pic.server_process import free_port
+    from sgl_pic.cli.server_process import free_port
 
     port = free_port()
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in the finally below

@@ -5,7 +5,7 @@
     python bench/soak.py --no-kill --server-args "--pic-policy epic"
 
 It launches ``python -m sgl_pic.launch_server`` in its own process group
-(``sgl_pic.server_process``) with a disk tier in a temporary directory (``--disk-dir`` to
+(``sgl_pic.cli.server_process``) with a disk tier in a temporary directory (``--disk-dir`` to
 name one), then runs ``--clients`` threads until the deadline, each sending a random mix:
 
 - ``plain``: /generate with token ids, no marks (SGLang's exact prefix caching);
@@ -185,7 +185,7 @@ def scan_disk(root: Path, t: float) -> DiskScan:
 
 
 class ServerManager:
-    """The server under test: launched through ``sgl_pic.server_process`` (its own process
+    """The server under test: launched through ``sgl_pic.cli.server_process`` (its own process
     group), killed with SIGKILL on request, restarted on the same arguments (and so the
     same disk tier). ``up`` is set while a healthy server is serving ``url``."""
 
@@ -207,7 +207,7 @@ class ServerManager:
         self.events: list[ServerEvent] = []
 
     def start(self) -> None:
-        from sgl_pic.server_process import server_process
+        from sgl_pic.cli.server_process import server_process
 
         env = server_env()
         stack = ExitStack()
@@ -281,7 +281,7 @@ class ServerManager:
         self.event("stopped", "end of run")
 
     def log_tail(self, n: int = 40) -> str:
-        from sgl_pic.server_process import log_tail
+        from sgl_pic.cli.server_process import log_tail
 
         return log_tail(self.log_paths[-1], n) if self.log_paths else ""
 

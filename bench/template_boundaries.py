@@ -1,9 +1,9 @@
 """Chunked chat prompts on each template fixture: how many token ids differ from the plain
 tokenization of the same text (the cost of tokenizing each piece on its own).
 
-Over generated agent requests (tests/integration/chat_templates.py: tool subsets and
+Over generated agent requests (tests/support/chat_templates.py: tool subsets and
 orders, tool calls and results, several turns, a final assistant message, template
-options), per fixture of tests/integration/templates and the embedded model's own template:
+options), per fixture of tests/support/templates and the embedded model's own template:
 the prompts' text must equal the template's rendering (``text_mismatches``: 0), and the
 token ids differ only in small blocks at piece boundaries, where a piece's first or last
 token would have merged with its neighbour's text. Writes
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded 
 
 from _common import add_out_option, git_state, write_json  # noqa: E402
 
-from tests.integration.chat_templates import EMBEDDED, FAMILIES, boundary_counts  # noqa: E402
+from tests.support.chat_templates import EMBEDDED, FAMILIES, boundary_counts  # noqa: E402
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ failure or fallback; SGLang's cached_tokens must stay inside the fresh header. A
 check is listed in the JSON and makes the exit status 1 (after the results are written).
 
 Page cache: before each disk measurement every *.sglkv file of the disk tier is fdatasync'ed
-and dropped with posix_fadvise(POSIX_FADV_DONTNEED) (what sgl_pic/calibrate.py's
+and dropped with posix_fadvise(POSIX_FADV_DONTNEED) (what sgl_pic/cli/calibrate.py's
 _drop_page_cache does). That needs no root, but it is advisory: pages still mapped by a
 process or dirty are kept. Root's /proc/sys/vm/drop_caches is not used. The script measures
 the effect with mincore(2) on a fresh mapping of each file (also no root): the resident
@@ -392,7 +392,7 @@ def calibration_state(client: Client, disk_dir: Path | None) -> dict[str, Any]:
     exported = any(k.startswith("sgl_pic_calibrated_r{") for k in m)
     out: dict[str, Any] = {"metrics_r": r if exported else None, "calibration_json": None}
     if disk_dir is not None:
-        from sgl_pic.calibrate import RESULT_FILE
+        from sgl_pic.cli.calibrate import RESULT_FILE
 
         path = disk_dir / RESULT_FILE
         if path.exists():

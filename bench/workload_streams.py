@@ -12,7 +12,7 @@ caching), over the same text.
 - ``tools``: OpenAI chat with a random subset of synthetic tool schemas in random order, and
   a question. Both forms send ``tools``; the servers of ``agent`` and ``tools`` run the
   embedded model with a tool-aware chat template (``tool_template_model``: the Qwen2.5
-  fixture of tests/integration/templates, which renders the tools in a <tools> section), so
+  fixture of tests/support/templates, which renders the tools in a <tools> section), so
   SGLang renders them in the baseline and sgl-pic finds each schema in the same rendering
   and makes it a chunk.
 - ``fewshot``: /generate, an instruction, 6 of 12 demonstrations (passage, question,

@@ -121,7 +121,7 @@ from workload_streams import (  # noqa: E402
     tool_template_model,
 )
 
-from sgl_pic.integration.forward_timer import (  # noqa: E402
+from sgl_pic.binding.forward_timer import (  # noqa: E402
     FORWARDS_METRIC,
     MODES,
     REQUESTS_METRIC,

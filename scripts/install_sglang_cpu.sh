@@ -6,7 +6,7 @@
 # replaces the CPU torch. We install the sglang wheel without dependencies and then exactly
 # the pure-Python dependencies that `sglang.srt` imports on the CPU serving path, under
 # constraints.txt (torch==2.13.0). The CUDA-only pieces it still imports (torchvision,
-# sgl_kernel) are covered by sgl_pic/integration/cpu_stubs, which our launcher puts on
+# sgl_kernel) are covered by sgl_pic/binding/cpu_stubs, which our launcher puts on
 # sys.path only when serving on the CPU.
 #
 # Usage: scripts/install_sglang_cpu.sh        (PYTHON=... to choose the interpreter)

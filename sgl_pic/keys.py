@@ -13,7 +13,7 @@ by its parent segment's key plus its own tokens (DARIC 3.3.2), so segment i of a
 is only found when segments 0..i-1 match too.
 
 Every key also names the request's isolation namespace (its tenant: SGLang's
-``extra_key`` and ``cache_salt``, see ``sgl_pic.integration.tenants``), so a chunk one
+``extra_key`` and ``cache_salt``, see ``sgl_pic.engine.tenants``), so a chunk one
 tenant stored is never found by another, in any tier; requests without either share the
 default namespace "".
 """
@@ -63,7 +63,7 @@ class ModelFingerprint:
                       "" for none: FP8 KV bytes depend on those scales.
     rope:             canonical sorted-key JSON of every RoPE-affecting setting (theta,
                       scaling type and parameters, rotary fraction, head dim, ...), see
-                      ``sgl_pic.integration.fingerprint.rope_signature``; "" when unknown.
+                      ``sgl_pic.binding.fingerprint.rope_signature``; "" when unknown.
                       Post-RoPE keys depend on it, and so does re-rotating pre-RoPE keys.
     config_overrides: canonical JSON of model-config overrides applied on top of the
                       checkpoint's config (``--json-model-override-args``), "" for none;

@@ -1,7 +1,16 @@
-"""Shared fixtures: a tiny random Llama for fast exactness checks, and the embedded
-SmolLM2-135M for checks that need a real model's behaviour."""
+"""Shared fixtures: a tiny random Llama for fast exactness checks, the embedded
+SmolLM2-135M for checks that need a real model's behaviour, and the one PicMetrics of the
+test process.
+
+Tests marked ``sglang`` need SGLang (scripts/install_sglang_cpu.sh). Without it they are
+skipped with that reason, unless SGL_PIC_REQUIRE_SGLANG=1 (CI sets it after installing),
+where its absence fails the run instead.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -60,3 +69,26 @@ def tokenizer(embedded_path: str):  # noqa: ANN201 - a HF tokenizer
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(embedded_path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if importlib.util.find_spec("sglang") is not None:
+        return
+    if os.environ.get("SGL_PIC_REQUIRE_SGLANG") == "1":
+        raise pytest.UsageError(
+            "SGL_PIC_REQUIRE_SGLANG=1 but sglang is not importable; run "
+            "scripts/install_sglang_cpu.sh first"
+        )
+    skip = pytest.mark.skip(reason="sglang not installed (scripts/install_sglang_cpu.sh)")
+    for item in items:
+        if "sglang" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def metrics():  # noqa: ANN201 - PicMetrics, imported lazily (it needs prometheus_client)
+    """The one PicMetrics of the test process: Prometheus names are global, so a second
+    registration in the same process fails. Tests read deltas of it."""
+    from sgl_pic.binding.metrics import PicMetrics
+
+    return PicMetrics()

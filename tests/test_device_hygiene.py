@@ -19,7 +19,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # The packages whose tensors live next to SGLang's pool (paths relative to the repo root).
-SCANNED_PATHS: tuple[str, ...] = ("sgl_pic/integration", "sgl_pic/store")
+SCANNED_PATHS: tuple[str, ...] = (
+    "sgl_pic/binding",
+    "sgl_pic/engine",
+    "sgl_pic/http",
+    "sgl_pic/store",
+)
 FACTORIES: frozenset[str] = frozenset(
     {
         "arange",

@@ -44,15 +44,15 @@ ALLOWED: dict[frozenset[str], str] = {
     # runner's can_run_graph) while plugin.build_tree_cache imports model_hooks: both
     # function-local. Removed by handing the hook in rather than importing it:
     #   model_hooks.py: `def graph_guarded(graph_runner: Any, hook: Callable[..., Any])`
-    #     compares against `hook` (its `from sgl_pic.integration.plugin import` goes);
+    #     compares against `hook` (its `from sgl_pic.binding.plugin import` goes);
     #     check_support's `prefill_graph_guarded` defaults to `lambda _runner: False` ("no
     #     runner is guarded") instead of `graph_guarded`;
     #   plugin.py build_tree_cache: `check_support(ctx, functools.partial(graph_guarded,
     #     hook=_prefill_graph_hook))`;
-    #   tests/integration/cuda_args.py (check_support(ctx) after plugin.register()) and
+    #   tests/support/cuda_args.py (check_support(ctx) after plugin.register()) and
     #   test_plugin_hooks.py (graph_guarded(runner)) pass the same hook.
     frozenset(
-        {"sgl_pic.integration.model_hooks", "sgl_pic.integration.plugin"}
+        {"sgl_pic.binding.model_hooks", "sgl_pic.binding.plugin"}
     ): "model_hooks.graph_guarded should take the hook instead of importing plugin",
 }
 
@@ -261,7 +261,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     # A bench script's bare-name import of a bench module.
     assert ("bench._server", "module") in by_source["bench.serve"]
     # A function-local import.
-    assert ("sgl_pic.server_process", "function") in by_source["bench._server"]
+    assert ("sgl_pic.cli.server_process", "function") in by_source["bench._server"]
     kinds = {kind for edges in by_source.values() for _, kind in edges}
     assert kinds == {"module", "type-checking", "function"}
 

@@ -1,7 +1,7 @@
 """Chunk KV store: host and disk tiers, a shared tier on a distributed store (Mooncake),
 the on-disk format, sparse loading with deferred RoPE, and CacheTune's recompute-ratio
 cost model. The per-layer pipeline that loads lower
-tiers during the forward is ``sgl_pic.integration.layer_feed.LayerFeed``."""
+tiers during the forward is ``sgl_pic.engine.layer_feed.LayerFeed``."""
 
 from sgl_pic.store.base import (
     ChunkKV,

@@ -104,9 +104,9 @@ def test_common_options(common: ModuleType) -> None:
 def test_launch_runs_the_given_checkout(
     server: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``launch`` starts ``sgl_pic.launch_server`` in ``root`` with ``root`` first on
+    """``launch`` starts ``python -m sgl_pic.launch_server`` in ``root`` with ``root`` first on
     PYTHONPATH (bench/compare_paths.py starts an older commit's tree this way)."""
-    import sgl_pic.server_process as server_process
+    import sgl_pic.cli.server_process as server_process
 
     seen: dict[str, Any] = {}
     log = tmp_path / "server.log"

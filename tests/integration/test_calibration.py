@@ -11,8 +11,8 @@ import pytest
 import requests
 import torch
 
-from tests.integration.prompts import body, chunked
-from tests.integration.server import Server, launch
+from tests.support.prompts import body, chunked
+from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 
@@ -97,7 +97,7 @@ def test_cacheblend_loads_host_chunks_whole(served: tuple[Server, str]) -> None:
 
 def test_calibration_waits_for_the_device_it_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA kernels run asynchronously: a timer that does not wait times their launch."""
-    from sgl_pic.calibrate import MatmulProxy, ModelShape, device_sync, time_call
+    from sgl_pic.cli.calibrate import MatmulProxy, ModelShape, device_sync, time_call
 
     waits: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: waits.append(d))
@@ -120,9 +120,9 @@ def test_the_server_calibrates_on_the_pools_device_and_ranks_agree(
     import threading
     from types import SimpleNamespace
 
+    from sgl_pic.binding import calibration, plugin
+    from sgl_pic.binding.settings import PicServerSettings
     from sgl_pic.config import PicConfig
-    from sgl_pic.integration import calibration, plugin
-    from sgl_pic.integration.settings import PicServerSettings
 
     measured: list[tuple[int, str, torch.dtype]] = []
 

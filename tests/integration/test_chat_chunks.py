@@ -14,25 +14,25 @@ from typing import Any
 import pytest
 import requests
 
+from sgl_pic.binding.settings import PicServerSettings
 from sgl_pic.config import PicConfig
-from sgl_pic.cut_points import cut_points
-from sgl_pic.integration.chat_chunks import parse_roles, search_renders, windows
-from sgl_pic.integration.chat_render import ChatTemplate
-from sgl_pic.integration.http_ext import RequestTranslator
-from sgl_pic.integration.settings import PicServerSettings
-from sgl_pic.integration.spans import MarkSigner, decode
+from sgl_pic.http.chat_chunks import parse_roles, search_renders, windows
+from sgl_pic.http.chat_render import ChatTemplate
+from sgl_pic.http.cut_points import cut_points
+from sgl_pic.http.middleware import RequestTranslator
+from sgl_pic.http.spans import MarkSigner, decode
 from sgl_pic.layout import LayoutError, PromptLayout, Span
-from tests.integration.chat_templates import templated
-from tests.integration.prompts import DOCS, ids, tokenizer
-from tests.integration.server import Server, launch
-from tests.integration.session_checks import (
+from tests.support.chat_templates import templated
+from tests.support.prompts import DOCS, ids, tokenizer
+from tests.support.server import Server, launch
+from tests.support.session_checks import (
     CONTIG,
     DISJOINT,
     MISSES,
     PREFIX,
     offline_recompute,
 )
-from tests.integration.session_checks import SESSION_KEYS as KEYS
+from tests.support.session_checks import SESSION_KEYS as KEYS
 
 ALL = frozenset({"tool", "document", "user", "assistant"})
 # The texts here are a sentence each, under the default auto_chunk_min_tokens: tests of
@@ -88,7 +88,7 @@ def translator(
     auto: frozenset[str] = frozenset(), config: PicConfig | None = None, template: str = ""
 ) -> RequestTranslator:
     """A translator on the embedded model's tokenizer, with its own chat template or the
-    fixture ``template`` (tests/integration/templates)."""
+    fixture ``template`` (tests/support/templates)."""
     tok = templated(template) if template else tokenizer()
     return RequestTranslator(config or SHORT, lambda: tok, MarkSigner("k"), auto_chunk=auto)
 
@@ -313,7 +313,7 @@ def test_template_options_are_rendered_and_chunked() -> None:
 def sglang_render(template: str, body: dict[str, Any]) -> str:
     """What SGLang's chat path renders for ``body`` with fixture ``template`` (its request
     model, message dump and template call, done here with SGLang's own helpers)."""
-    from sgl_pic.integration.chat_render import chat_inputs
+    from sgl_pic.http.chat_render import chat_inputs
 
     inputs = chat_inputs(body, "string", {})
     tok = templated(template) if template else tokenizer()
@@ -676,7 +676,7 @@ def test_bad_auto_chunk_settings_are_refused(bad: Any) -> None:
 
 
 def test_auto_chunk_setting_parses_and_reaches_the_launcher() -> None:
-    from sgl_pic.launch_server import build
+    from sgl_pic.cli.launch_server import build
 
     assert parse_roles("") == frozenset()
     assert parse_roles(" tool , user ") == frozenset({"tool", "user"})

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.prompts import body, chunked
-from tests.integration.server import Server, launch
+from tests.support.prompts import body, chunked
+from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.prompts import body, chunked
-from tests.integration.server import Server, launch
+from tests.support.prompts import body, chunked
+from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 

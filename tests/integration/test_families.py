@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from tests.integration.prompts import body, chunked
-from tests.integration.server import Server, launch
-from tests.integration.tiny_models import FAMILIES, LLAMA3_ROPE, YARN_ROPE, write_tiny_model
+from tests.support.prompts import body, chunked
+from tests.support.server import Server, launch
+from tests.support.tiny_models import FAMILIES, LLAMA3_ROPE, YARN_ROPE, write_tiny_model
 
 pytestmark = pytest.mark.sglang
 

@@ -42,8 +42,8 @@ from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
 
 from sgl_pic.registry import POLICIES as REGISTRY
-from tests.integration.prompts import DOCS, ids
-from tests.integration.server import Server, launch
+from tests.support.prompts import DOCS, ids
+from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 

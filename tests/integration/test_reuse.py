@@ -12,8 +12,8 @@ import pytest
 import requests
 import torch
 
-from tests.integration.prompts import body, chunked, ids
-from tests.integration.server import Server, launch
+from tests.support.prompts import body, chunked, ids
+from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 
@@ -100,7 +100,7 @@ def test_a_chunk_the_radix_prefix_cuts_reuses_its_device_copy(server: Server) ->
     from sgl_pic.oracle import Oracle
     from sgl_pic.selection import finalize, make_policy
     from sgl_pic.selection.base import SelectionContext
-    from tests.integration.prompts import DOCS
+    from tests.support.prompts import DOCS
 
     label = ids("Archive card 93 reads:")
     first, second = label + ids(" " + DOCS["C"] + "\n"), label + ids(" " + DOCS["E"] + "\n")
@@ -248,7 +248,7 @@ def _one_batch(server: Server, reqs: list[dict], attempt: int) -> list[requests.
     queue together and, normally, run as one batch (the caller checks that they did)."""
     import concurrent.futures as cf
 
-    from tests.integration.prompts import DOCS
+    from tests.support.prompts import DOCS
 
     filler = " ".join(DOCS.values()) + "\n"
     blocker = body(ids(f"Blocker {attempt}.\n" + filler * 24), None, n=1)
@@ -342,7 +342,7 @@ def test_bad_marks_get_400_and_server_keeps_serving(server: Server, req: dict, n
 
 
 def test_openai_chat_marks_reach_the_chunk_cache(server: Server) -> None:
-    from tests.integration.prompts import DOCS
+    from tests.support.prompts import DOCS
 
     before = server.metrics()
     r = requests.post(
@@ -375,7 +375,7 @@ def test_frontend_chunk_primitive(server: Server) -> None:
     import sglang as sgl
 
     from sgl_pic.frontend import chunk
-    from tests.integration.prompts import DOCS
+    from tests.support.prompts import DOCS
 
     @sgl.function
     def qa(s, docs: list[str], question: str) -> None:  # type: ignore[no-untyped-def]

@@ -20,16 +20,16 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tests.integration.prompts import DOCS, body, ids
-from tests.integration.server import Server, launch
-from tests.integration.session_checks import (
+from tests.support.prompts import DOCS, body, ids
+from tests.support.server import Server, launch
+from tests.support.session_checks import (
     CONTIG,
     DISJOINT,
     MISSES,
     PREFIX,
     offline_recompute,
 )
-from tests.integration.session_checks import SESSION_KEYS as KEYS
+from tests.support.session_checks import SESSION_KEYS as KEYS
 
 pytestmark = pytest.mark.sglang
 

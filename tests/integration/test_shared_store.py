@@ -19,9 +19,9 @@ import pytest
 from sgl_pic.store.format import read_header
 from sgl_pic.store.object_backend import make_backend
 from sgl_pic.store.shared_service import SharedStoreService
-from tests.integration.prompts import body, chunked, ids
-from tests.integration.server import Server, launch
 from tests.store.shared_helpers import start_service
+from tests.support.prompts import body, chunked, ids
+from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 

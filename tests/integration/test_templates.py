@@ -1,4 +1,4 @@
-"""Chunked chat prompts on the model families' own templates (tests/integration/templates,
+"""Chunked chat prompts on the model families' own templates (tests/support/templates,
 written by this project in each family's documented structure) and on generated templates:
 the prompt's text is the template's rendering byte for byte; its token ids differ from the
 plain tokenization only at piece boundaries, by a few tokens; a tool seen before, in another
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from sgl_pic.config import PicConfig
-from sgl_pic.integration.spans import MarkSigner, decode
-from tests.integration.chat_templates import (
+from sgl_pic.http.spans import MarkSigner, decode
+from tests.support.chat_templates import (
     ALL_ROLES,
     EMBEDDED,
     FAMILIES,
@@ -29,7 +29,7 @@ from tests.integration.chat_templates import (
     templated,
     translator,
 )
-from tests.integration.prompts import ids, tokenizer
+from tests.support.prompts import ids, tokenizer
 
 TEMPLATES = [*FAMILIES, EMBEDDED]
 
@@ -114,7 +114,7 @@ def sglang_prompt_ids(
     from collections import OrderedDict
     from types import SimpleNamespace
 
-    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+    from sgl_pic.binding.cpu_env import activate_cpu_stubs
 
     activate_cpu_stubs()  # the sgl_kernel / torchvision stand-ins serving_chat imports
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
@@ -157,7 +157,7 @@ def sglang_prompt_ids(
 def test_reasoning_effort_and_the_servers_default_options_as_sglang_merges_them() -> None:
     """A ``reasoning_effort`` in the request's template options is moved out of them
     before the server's defaults are merged in: a default effort then wins over it."""
-    from sgl_pic.integration.chat_render import ChatTemplate
+    from sgl_pic.http.chat_render import ChatTemplate
 
     tok = copy.copy(tokenizer())
     tok.chat_template = (
@@ -214,8 +214,8 @@ def test_the_text_is_what_sglangs_chat_path_renders(name: str) -> None:
 def test_the_mirrored_helpers_agree_with_sglangs() -> None:
     """chat_render's copies of two serving_chat helpers (importing serving_chat pulls in
     SGLang's model tree) do what the originals do."""
-    from sgl_pic.integration.chat_render import decode_tool_call_arguments, join_tool_content
-    from sgl_pic.integration.cpu_env import activate_cpu_stubs
+    from sgl_pic.binding.cpu_env import activate_cpu_stubs
+    from sgl_pic.http.chat_render import decode_tool_call_arguments, join_tool_content
     from sgl_pic.layout import LayoutError
 
     activate_cpu_stubs()
@@ -366,7 +366,7 @@ def test_the_mechanism_does_not_depend_on_a_fixture() -> None:
         source = generated_template(rng)
         tok = copy.copy(base)
         tok.chat_template = source
-        from sgl_pic.integration.http_ext import RequestTranslator
+        from sgl_pic.http.middleware import RequestTranslator
 
         t = RequestTranslator(
             PicConfig(auto_chunk_min_tokens=4),
@@ -380,7 +380,7 @@ def test_the_mechanism_does_not_depend_on_a_fixture() -> None:
             body.pop("chat_template_kwargs", None)
             out = t.chat(copy.deepcopy(body))
             assert out is not None, (case, source)
-            from sgl_pic.integration.chat_render import ChatTemplate
+            from sgl_pic.http.chat_render import ChatTemplate
 
             ct = ChatTemplate(tok)
             inputs = ct.inputs(body, {})

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import requests
 
-from sgl_pic.integration.tenants import isolation_namespace
-from tests.integration.prompts import DOCS, body, chunked, ids
-from tests.integration.server import MetricDeltas, Server, launch
+from sgl_pic.engine.tenants import isolation_namespace
+from tests.support.prompts import DOCS, body, chunked, ids
+from tests.support.server import MetricDeltas, Server, launch
 
 pytestmark = pytest.mark.sglang
 

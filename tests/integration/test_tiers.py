@@ -23,8 +23,8 @@ import pytest
 
 from sgl_pic.config import PicConfig
 from sgl_pic.store.format import PREFIX_BYTES, SUFFIX, TMP_PREFIX, read_header, read_record
-from tests.integration.prompts import DOCS, ids
-from tests.integration.server import Server, launch
+from tests.support.prompts import DOCS, ids
+from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 

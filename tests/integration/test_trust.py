@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import requests
 
-from sgl_pic.integration.cpu_env import STUBS_DIR, with_cpu_defaults
-from sgl_pic.server_process import server_process
-from tests.integration.prompts import body, chunked, ids
-from tests.integration.server import STARTUP_TIMEOUT_S, Server, launch
+from sgl_pic.binding.cpu_env import STUBS_DIR, with_cpu_defaults
+from sgl_pic.cli.server_process import server_process
+from tests.support.prompts import body, chunked, ids
+from tests.support.server import STARTUP_TIMEOUT_S, Server, launch
 
 pytestmark = pytest.mark.sglang
 

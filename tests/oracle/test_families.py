@@ -1,4 +1,4 @@
-"""The oracle on every family the server tests use (tests/integration/tiny_models.py):
+"""The oracle on every family the server tests use (tests/support/tiny_models.py):
 QKV bias (Qwen2), QK-norm (Qwen3), Mistral, and Llama with Llama 3 and YaRN RoPE scaling.
 
 Each tiny checkpoint is written to disk and read back the way the server reads it; the
@@ -23,7 +23,7 @@ from sgl_pic.oracle import Oracle, load_hf_model, weights_from_hf
 from sgl_pic.oracle.rope_scaling import rope_frequencies
 from sgl_pic.rope import default_inv_freq
 from sgl_pic.selection import make_policy
-from tests.integration.tiny_models import FAMILIES, LLAMA3_ROPE, YARN_ROPE, write_tiny_model
+from tests.support.tiny_models import FAMILIES, LLAMA3_ROPE, YARN_ROPE, write_tiny_model
 
 N_TOKENS = 90
 
@@ -168,7 +168,7 @@ def test_rope_frequencies_equal_transformers(name: str) -> None:
 # that ``activate_cpu_stubs`` sets, so it gets a process of its own.
 _SGLANG_CACHES = """
 import json, sys
-from sgl_pic.integration.cpu_env import activate_cpu_stubs
+from sgl_pic.binding.cpu_env import activate_cpu_stubs
 activate_cpu_stubs()
 import torch
 from sglang.srt.layers.rotary_embedding import get_rope

@@ -1,0 +1,279 @@
+"""The scheduler-side gate every generate request passes before SGLang queues it.
+
+It runs inside SGLang's scheduler (a hook around ``validate_input_length``), so it holds
+for every HTTP path and for clients that bypass our middleware:
+
+- token ids outside the vocabulary refuse the request with an error naming the index, and
+  so does a count of top logprobs outside [0, vocabulary] (SGLang 0.5.23 would crash the
+  scheduler on either);
+- chunk marks are honoured only when their MAC checks out against the request's tokens
+  (``MarkSigner``) and they pass the server's limits; otherwise they are stripped, counted,
+  logged once, and the request runs as exact prefill;
+- the request's prefix-tree namespace is set here from the verified config: exact requests
+  (full_recompute, r = 1) share ``sgl_pic:exact``, approximate ones share KV only with
+  requests making the same approximation (policy and budget). A namespace of ours that a
+  request claims without verified marks is moved aside, so approximate KV never reaches a
+  plain or exact request. Turns of SGLang sessions run exact: a streaming session hands
+  a turn its history's KV outside the prefix tree's namespaces;
+- the request's isolation namespace (its tenant, ``tenants.isolation_namespace`` of the
+  client's ``extra_key`` and ``cache_salt``) is fixed here and travels in ``Pending``, so
+  every chunk tier stores and finds its chunks under it alone, plus the server's public
+  namespaces when the request asks for the public scope (refused where none is shared).
+  Marks carrying a key of ours besides the signed ones are forged and not honoured;
+- a deletion order (``delete_command``) is executed here only when the per-launch secret
+  signed it, and the request is refused with its report (the HTTP edge reads it back);
+  an order without a valid MAC is refused, counted and never executed.
+
+Never raises: a failure inside the gate means exact prefill for that request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.config import PicConfig
+from sgl_pic.engine.tenants import DEFAULT_NAMESPACE, TenantPolicy, isolation_namespace
+from sgl_pic.http import delete_command
+from sgl_pic.http.spans import (
+    INTERNAL_PREFIX,
+    MARK_KEYS,
+    LimitError,
+    MarkSigner,
+    PicRequest,
+    decode,
+    has_marks,
+)
+from sgl_pic.layout import LayoutError
+
+logger = logging.getLogger(__name__)
+
+# Where an admitted request's verified marks wait for its extend batch (see ``Pending``).
+PENDING_ATTR = "_sgl_pic_pending"
+# Requests claiming one of our namespaces without verified marks are moved under this one,
+# which only ever holds exact KV of such requests.
+UNTRUSTED_NAMESPACE = "untrusted-namespace:"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A chunked request's verified marks and the exact token ids they were verified for;
+    the executor uses them only for a request whose ids still equal ``token_ids``.
+
+    namespace: the isolation namespace its chunks are stored under and found in.
+    readable:  the namespaces its lookups may hit, ``namespace`` first (then the public
+               ones it asked for)."""
+
+    request: PicRequest
+    token_ids: tuple[int, ...]
+    namespace: str = DEFAULT_NAMESPACE
+    readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
+
+
+def namespace(
+    config: PicConfig, user_key: str | None, calibrated_r: bool = False, generation: int = 0
+) -> str:
+    """The prefix-tree namespace (SGLang's ``extra_key``) of a chunked request.
+    ``calibrated_r``: CacheTune's r is the server's calibrated r of the slowest tier the
+    request reuses from (``planner.calibrated``), known only when its batch runs; such
+    requests make one approximation, "calibrated", whatever r the config names (a config
+    r of 1.0 would otherwise claim the exact namespace).
+    ``generation``: deletions executed so far (``Deleter.generation``). Each deletion moves
+    every chunked request to fresh namespaces, so no later request matches a tree node
+    made before it, not even one a running request still holds (SGLang cannot evict a
+    locked node) or inserts when it finishes. It stands before the first "|", which
+    no approximation key holds, so no client key can imitate it."""
+    key = config.approximation_key()
+    if calibrated_r:
+        key = f"cachetune,calibrated,{config.cachetune_alpha!r}"
+    if generation:
+        key = f"{key}@{generation}"
+    return f"{INTERNAL_PREFIX}:{key}|{user_key or ''}"
+
+
+def first_out_of_vocab(
+    token_ids: Sequence[int], vocab_size: int, allowed: frozenset[int] = frozenset()
+) -> tuple[int, int] | None:
+    """(index, id) of the first id outside [0, vocab_size) and not in ``allowed``, or
+    None."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return None
+    return next(
+        ((i, int(t)) for i, t in enumerate(token_ids) if not (0 <= t < vocab_size or t in allowed)),
+        None,
+    )
+
+
+def multimodal_pad_ids(req: Any) -> frozenset[int]:
+    """The placeholder ids SGLang put in ``req``'s input ids for its images, audio or
+    video (each item's pad values, at least 1,000,000: outside any vocabulary by design,
+    replaced by the item's embeddings in the forward)."""
+    items = getattr(getattr(req, "multimodal_inputs", None), "mm_items", None) or ()
+    out: set[int] = set()
+    for item in items:
+        values = getattr(item, "pad_values", None) or (getattr(item, "pad_value", None),)
+        out.update(int(v) for v in values if v is not None)
+    return frozenset(out)
+
+
+class AdmissionGate:
+    """signer: None when reuse is off in this process (SGLang's own launcher gave no
+    secret, or the attention backend is not supported): then no marks are honoured.
+    calibrated_r: whether the executor sets CacheTune's r per tier (``--pic-calibrate``);
+    its requests then share the "calibrated" namespace (``namespace``).
+    tenants: which namespaces a request asking for the public scope may read (none by
+    default).
+    deleter: executes signed deletion orders (``deleter.Deleter``); None where this process
+    keeps no chunk KV (reuse off): orders are then refused."""
+
+    def __init__(
+        self,
+        config: PicConfig,
+        signer: MarkSigner | None,
+        vocab_size: int,
+        metrics: PicMetrics,
+        calibrated_r: bool = False,
+        tenants: TenantPolicy | None = None,
+        deleter: Any = None,
+    ) -> None:
+        self.config = config
+        self.deleter = deleter
+        self.tenants = tenants or TenantPolicy()
+        self.signer = signer
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+        self.calibrated_r = calibrated_r  # the executor runs CacheTune at calibrated r
+
+    def admit(self, req: Any) -> str | None:
+        """Checks SGLang's ``Req`` before it is queued: an error message to refuse it with,
+        or None. Rewrites ``req.extra_key`` and its custom params, and attaches ``Pending``
+        (``PENDING_ATTR``) to a request whose marks are honoured."""
+        try:
+            return self._admit(req)
+        except Exception:  # noqa: BLE001 - a request must never stop the scheduler
+            logger.exception("sgl_pic: admission of request %s failed", getattr(req, "rid", "?"))
+            self._ignore(req, "internal_error")
+            return None
+
+    def _admit(self, req: Any) -> str | None:
+        ids = req.origin_input_ids
+        bad = first_out_of_vocab(ids, self.vocab_size, multimodal_pad_ids(req))
+        if bad is not None:
+            self.metrics.requests_refused.labels(reason="token_id").inc()
+            return (
+                f"input_ids[{bad[0]}] = {bad[1]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        top = getattr(getattr(req, "logprob", None), "top_logprobs_num", 0)
+        if getattr(req, "return_logprob", False) and not (
+            type(top) is int and 0 <= top <= self.vocab_size
+        ):
+            # SGLang 0.5.23 takes a top-k of that many logprobs in the scheduler, and a k
+            # past the vocabulary kills it.
+            self.metrics.requests_refused.labels(reason="top_logprobs").inc()
+            return f"top_logprobs_num = {top!r} is outside [0, {self.vocab_size}]"
+        custom = getattr(req.sampling_params, "custom_params", None)
+        if delete_command.has_command(custom):
+            return self._command(req, custom)
+        extra = req.extra_key
+        claims_namespace = isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX)
+        if not (has_marks(custom) or claims_namespace):
+            return None
+        if claims_namespace or self.signer is None or not self.signer.verify(ids, custom):
+            self._ignore(req, "reuse_off" if self.signer is None else "bad_signature")
+            return None
+        if any(
+            isinstance(k, str) and k.startswith(INTERNAL_PREFIX) and k not in MARK_KEYS
+            for k in custom
+        ):
+            # A key of ours the MAC does not cover (a namespace, say) was added to signed
+            # marks: nothing of ours reads it, but the marks are not what we signed.
+            self._ignore(req, "bad_signature")
+            return None
+        if getattr(req, "lora_id", None):
+            # Chunk keys name the base model's weights, not an adapter's.
+            self._ignore(req, "lora")
+            return None
+        if getattr(req, "return_hidden_states", False) is True:
+            # Every prompt row's hidden state is asked for, and the chunk path computes only
+            # the recomputed rows ("last" asks for the last row, which it always computes).
+            self._ignore(req, "hidden_states")
+            return None
+        if getattr(req, "session", None) is not None:
+            # A streaming session lends each turn the session's own KV whatever the
+            # namespace, so an approximate turn would reach a later exact one; any session
+            # turn runs exact.
+            self._ignore(req, "session")
+            return None
+        try:
+            pic = decode(custom, self.config)
+        except LimitError:
+            self._ignore(req, "limit")
+            return None
+        except LayoutError:
+            self._ignore(req, "malformed")
+            return None
+        if pic.layout.num_tokens != len(ids):
+            self._ignore(req, "malformed")
+            return None
+        own = isolation_namespace(extra, getattr(req, "cache_salt", None))
+        try:
+            readable = self.tenants.readable(own, pic.public_scope)
+        except PermissionError as e:
+            self.metrics.requests_refused.labels(reason="public_scope").inc()
+            return str(e)
+        config = pic.config(self.config)
+        # The same test as ``planner.calibrated``: calibration sets r unless the request did.
+        calibrated = (
+            self.calibrated_r
+            and config.policy == "cachetune"
+            and "cachetune_r" not in pic.overrides
+        )
+        generation = self.deleter.generation if self.deleter is not None else 0
+        req.extra_key = namespace(config, extra, calibrated, generation)
+        setattr(req, PENDING_ATTR, Pending(pic, tuple(ids), own, readable))
+        return None
+
+    def _command(self, req: Any, custom: Any) -> str:
+        """Executes a signed deletion order; the refusal message: its report, or why it
+        was not executed. Never runs the request."""
+        try:
+            deletion = delete_command.decode(custom, self.signer)
+        except delete_command.CommandError as e:
+            self.metrics.requests_refused.labels(reason="forged_command").inc()
+            logger.warning("sgl_pic: request %s refused: %s", getattr(req, "rid", "?"), e)
+            return str(e)
+        if self.deleter is None:
+            self.metrics.requests_refused.labels(reason="command_unavailable").inc()
+            return "deletion unavailable: chunk reuse is off on this server"
+        try:
+            report = self.deleter.execute(deletion)
+        except Exception as e:  # noqa: BLE001 - a request must never stop the scheduler
+            logger.exception("sgl_pic: deletion failed")
+            self.metrics.requests_refused.labels(reason="command_failed").inc()
+            return f"deletion failed part-way ({type(e).__name__}: {e}); send it again"
+        return delete_command.report_message(report)
+
+    def _ignore(self, req: Any, reason: str) -> None:
+        """Strips our keys and namespace from ``req``: it runs as exact prefill."""
+        self.metrics.marks_ignored.labels(reason=reason).inc()
+        logger.warning(
+            "sgl_pic: chunk marks of request %s not honoured (%s); it runs as exact prefill",
+            getattr(req, "rid", "?"),
+            reason,
+        )
+        sp = req.sampling_params
+        custom = getattr(sp, "custom_params", None)
+        if isinstance(custom, dict):
+            sp.custom_params = {
+                k: v
+                for k, v in custom.items()
+                if not (isinstance(k, str) and k.startswith(INTERNAL_PREFIX))
+            }
+        extra = getattr(req, "extra_key", None)
+        if isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX):
+            req.extra_key = UNTRUSTED_NAMESPACE + extra
+        if hasattr(req, PENDING_ATTR):
+            delattr(req, PENDING_ATTR)

@@ -1,0 +1,464 @@
+"""Registration with SGLang: the ``sgl_pic`` radix cache backend and the targeted hooks.
+
+``register`` is the ``sglang.srt.plugins`` entry point; SGLang's ``load_plugins()`` calls it
+in every process (scheduler included) and then applies the hooks. It is idempotent, so
+``python -m sgl_pic.launch_server`` may also call it where no entry point is installed.
+
+Every hook passes straight through to SGLang unless the ``sgl_pic`` backend was built in
+that process, so installing the plugin never changes a server that does not select it. One
+hook only reads the clock, in every server (``forward_timer``: seconds in forwards by kind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from sgl_pic.binding.forward_timer import FORWARD_TARGET, timed_forward
+from sgl_pic.binding.settings import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+_executor: Any = None  # ChunkExecutor of this scheduler process, once the backend is built
+_gate: Any = None  # AdmissionGate of this scheduler process, once the backend is built
+_phases: Any = None  # PhaseRunner of this scheduler process
+
+# torch_native's extend, for phase batches only (``attention.torch_native_phase_extend``).
+TORCH_NATIVE_EXTEND = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+)
+PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+# Called by the scheduler on every generate request before it is queued (the patch
+# reaches the scheduler's own ``from ... import`` binding through HookRegistry).
+ADMIT_TARGET = "sglang.srt.managers.utils.validate_input_length"
+# Asked by ``ModelRunner._forward_raw`` of every extend batch before it replays a prefill
+# CUDA graph (SGLang 0.5.23 captures breakable ones by default on CUDA).
+PREFILL_GRAPH_TARGET = (
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
+    "PrefillCudaGraphRunner.can_run_graph"
+)
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+    HookRegistry.register(TORCH_NATIVE_EXTEND, _torch_native_extend_hook, HookType.AROUND)
+    HookRegistry.register(PREPARE_TARGET, _after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register(ADMIT_TARGET, _admit_hook, HookType.AROUND)
+    HookRegistry.register(FORWARD_TARGET, timed_forward, HookType.AROUND)
+    HookRegistry.register(PREFILL_GRAPH_TARGET, _prefill_graph_hook, HookType.AROUND)
+
+
+def build_tree_cache(ctx: Any) -> Any:
+    """Radix cache factory: SGLang's own tree plus chunk nodes (``ChunkRadixCache``), the
+    host and disk tiers under them, and the executor that uses them."""
+    global _executor, _gate, _phases
+    from sgl_pic.binding import radix_cache
+    from sgl_pic.binding.fingerprint import server_fingerprint
+    from sgl_pic.binding.gate import AdmissionGate
+    from sgl_pic.binding.metrics import PicMetrics
+    from sgl_pic.binding.model_hooks import Support, check_support, install
+    from sgl_pic.binding.model_rope import ModelRope, find_rotary, rope_spec
+    from sgl_pic.binding.phases import PhaseRunner
+    from sgl_pic.binding.self_check import check_page_size
+    from sgl_pic.binding.settings import PicServerSettings
+    from sgl_pic.engine.chunk_nodes import ChunkNodeTable
+    from sgl_pic.engine.deleter import Deleter
+    from sgl_pic.engine.executor import ChunkExecutor
+    from sgl_pic.engine.kv_access import KVAccess
+    from sgl_pic.engine.tenants import tenant_policy
+    from sgl_pic.http.spans import MarkSigner
+    from sgl_pic.selection import ranking_recipe
+    from sgl_pic.store.admission import StoreAdmission
+
+    settings = PicServerSettings.from_env()
+    vocab_size = int(ctx.model_config.vocab_size)
+    metrics = PicMetrics()
+    # Checked before anything is built: a model or backend the method does not cover is
+    # served exactly, with reuse off, a log line and a metric.
+    support = check_support(ctx)
+    if support.ok:
+        # The HTTP side pads chunk starts to the launcher's page size; the pool pages at
+        # the size SGLang resolved and built.
+        support = check_page_size(settings.config.page_size, ctx)
+    if support.ok and settings.refused:
+        support = Support("model_check", f"{settings.refused}; lifted by dropping --pic-check")
+    if not support.ok:
+        logger.error(
+            "sgl_pic: chunk reuse is off: %s is not covered; every request runs as exact "
+            "prefill (see the README's list of covered models and backends)",
+            support.detail,
+        )
+        metrics.unsupported.labels(reason=support.reason).set(1)
+        _gate = AdmissionGate(settings.config, None, vocab_size, metrics)
+        # SGLang's own tree, built as it would build it: its tiers, connectors and
+        # model-specific caches then work as without sgl_pic.
+        from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+        return default_radix_cache_factory(ctx)
+    metrics.enable_namespaces(settings.namespace_metrics)
+    cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    # Every chunk is stored with a ranking made at the server's alpha (a setting no
+    # request can override), so the alpha is part of every key.
+    fingerprint = dataclasses.replace(
+        server_fingerprint(ctx, cache_pool.dtype),
+        ranking=ranking_recipe(settings.config.cachetune_alpha),
+    )
+    prepare_kernels(cache_pool.get_key_buffer(0).device)
+    pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
+    capacity = int(settings.device_cache_fraction * pool_tokens)
+
+    def make_table(allocator: Any) -> ChunkNodeTable:
+        return ChunkNodeTable(
+            allocator,
+            fingerprint,
+            settings.config.segment_tokens,
+            capacity,
+            settings.eviction,
+            settings.namespace_max_tokens(capacity),
+        )
+
+    cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set)
+    assert cache.chunk_nodes is not None
+    runner = ctx.tp_worker.model_runner
+    hf = ctx.model_config.hf_config
+    num_layers = int(hf.num_hidden_layers)
+    spec = rope_spec(find_rotary(runner.model), cache_pool.get_key_buffer(0).device)
+    kv = KVAccess(cache_pool, num_layers, ModelRope(spec))
+    lower = shutdown = None
+    if settings.has_lower_tiers and spec.inv_freq is None:
+        logger.error(
+            "sgl_pic: host and disk tiers are off: they store keys by plain RoPE frequencies, "
+            "and this model's rotary table (partial rotary, attention scaling, or a table that "
+            "is not one set of RoPE frequencies) has none"
+        )
+    elif settings.has_lower_tiers:
+        lower, shutdown = _lower_tiers(settings, fingerprint, spec, metrics, record_layout(kv))
+    ratios = None
+    if settings.calibrate and lower is not None:
+        ratios = calibrate_for_server(settings, hf, cache_pool, ctx)
+        for tier, r in ratios.items():
+            metrics.calibrated_r.labels(tier=tier).set(r)
+    if not settings.secret:
+        logger.error(
+            "sgl_pic: no mark-signing secret (not started by python -m sgl_pic.launch_server); "
+            "chunk marks are not honoured and every request runs as exact prefill"
+        )
+    _phases = PhaseRunner(
+        runner.attn_backend,
+        ctx.params.req_to_token_pool.req_to_token,
+        getattr(runner, "kv_index_translator", None),
+        ctx.params.req_to_token_pool,
+    )
+    deleter = Deleter(cache.chunk_nodes, cache, lower.store if lower is not None else None, metrics)
+    _executor = ChunkExecutor(
+        settings.config,
+        cache.chunk_nodes,
+        kv,
+        metrics,
+        _phases,
+        lower=lower,
+        ratios=ratios,
+        feed_mode=settings.feed_mode,
+        feed_timeout_s=settings.feed_timeout_s,
+        merge_gap=settings.merge_gap,
+        admission=StoreAdmission(settings.admission),
+        reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
+        sync_deletions=deleter.sync if lower is not None else None,
+    )
+    if shutdown is not None:
+        # The promoter reads from the tiers: its worker is joined before they stop.
+        shutdown.before.append(_executor.close)
+    install(
+        runner,
+        _on_extend,
+        _phases.layer_start,
+        _phases.layer_end,
+        _on_bypass,
+        _phases.attention_end,
+    )
+    if (
+        type(getattr(runner, "prefill_cuda_graph_runner", None)).__name__
+        == "PrefillCudaGraphRunner"
+    ):
+        logger.info(
+            "sgl_pic: SGLang's prefill CUDA graphs stay on for batches without chunked "
+            "requests; batches with chunked requests run eagerly"
+        )
+    signer = MarkSigner(settings.secret) if settings.secret else None
+    _gate = AdmissionGate(
+        settings.config,
+        signer,
+        vocab_size,
+        metrics,
+        ratios is not None,
+        tenant_policy(settings),
+        deleter,
+    )
+    logger.info(
+        "sgl_pic chunk cache ready: policy=%s, model %s, attention backend %s, chunk nodes up "
+        "to %d of %d pool slots, host tier %d MiB, disk tier %s, %d layers, rotary dim %d (%s)",
+        settings.config.policy,
+        type(runner.model).__name__,
+        type(runner.attn_backend).__name__,
+        capacity,
+        pool_tokens,
+        settings.host_cache_mb if lower is not None else 0,
+        f"{settings.disk_cache_dir} ({settings.disk_cache_mb} MiB)"
+        if settings.disk_cache_dir and lower is not None
+        else "off",
+        num_layers,
+        spec.rotary_dim,
+        spec.layout,
+    )
+    return cache
+
+
+def prepare_kernels(device: torch.device) -> Any:
+    """Builds or loads the CUDA kernels once, at start-up on the scheduler, for a pool on
+    a CUDA device (never inside a forward); returns their status, None on other devices."""
+    if device.type != "cuda":
+        return None
+    from sgl_pic.ops.cuda import prepare
+
+    status = prepare(device)
+    logger.info("sgl_pic CUDA kernels on %s: %s", device, status)
+    return status
+
+
+def calibrate_for_server(settings: Any, hf: Any, cache_pool: Any, ctx: Any) -> dict[str, float]:
+    """``--pic-calibrate`` on the scheduler: timed on the KV pool's device and dtype, and
+    the same r per tier on every tensor-parallel rank (rank 0 measures; the others take
+    its values through the all-reduce), so the ranks' recompute sets and collectives
+    match."""
+    from sgl_pic.binding.calibration import calibrate_tiers
+
+    kb = cache_pool.get_key_buffer(0)  # [slots, num_kv_heads, head_dim]
+    tp = int(getattr(ctx, "tp_size", 1) or 1)
+    return calibrate_tiers(
+        settings,
+        hf,
+        device=str(kb.device),
+        dtype=kb.dtype,
+        reduce=_tp_sum if tp > 1 else None,
+        rank=int(getattr(ctx, "tp_rank", 0) or 0),
+    )
+
+
+def record_layout(kv: Any) -> Any:
+    """The KV layout of the pool behind ``kv`` (a ``KVAccess``), as lower-tier records
+    must hold it: what phase 1 stores (``LowerTiers.put_chunk`` of ``kv.read``) and what
+    the layer feed writes back into the pool. A record of another layout, however sound
+    its file, is never loaded into the pool: the tiers count it and drop it."""
+    from sgl_pic.store.base import DTYPE_NAMES, RecordLayout
+
+    kb = kv.pool.get_key_buffer(0)  # [slots, num_kv_heads, head_dim]
+    return RecordLayout(
+        num_layers=int(kv.num_layers),
+        num_kv_heads=int(kb.shape[1]),
+        head_dim=int(kb.shape[2]),
+        dtype=DTYPE_NAMES.get(kb.dtype, str(kb.dtype)),
+    )
+
+
+def _lower_tiers(
+    settings: Any, fingerprint: Any, spec: Any, metrics: Any, layout: Any = None
+) -> Any:
+    """Host and disk tiers (``lower_tiers_of``). Their queued disk writes finish (bounded)
+    or are dropped cleanly when this scheduler process exits or gets SIGTERM/SIGINT,
+    counted into ``metrics`` (``lifecycle``)."""
+    from sgl_pic.binding.lifecycle import install_shutdown
+
+    lower = lower_tiers_of(settings, fingerprint, spec, layout)
+    # build_tree_cache runs on the scheduler's main thread, where signal handlers can be set.
+    return lower, install_shutdown(lower, metrics)
+
+
+def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = None) -> Any:
+    """Host and disk tiers keyed by the pre-RoPE fingerprint, rotating keys as the model's
+    RoPE does (``spec``: its ``RopeSpec``; frequencies and pairing both, since phase 1
+    stores keys un-rotated by that pairing). With the disk tier off, its place is a
+    zero-capacity tier in a private temporary directory that keeps nothing."""
+    import tempfile
+
+    from sgl_pic.engine.lower_tiers import LowerTiers
+    from sgl_pic.store.disk import DiskStoreConfig
+    from sgl_pic.store.host import HostStoreConfig
+    from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
+
+    pre = dataclasses.replace(fingerprint, pre_rope=True)
+    if settings.disk_cache_dir:
+        disk = DiskStoreConfig(
+            settings.disk_cache_dir,
+            settings.disk_cache_mb * 2**20,
+            policy=settings.eviction,
+            namespace_max_bytes=settings.namespace_disk_mb * 2**20,
+        )
+        write_back = "on_put"
+    else:
+        disk = DiskStoreConfig(tempfile.mkdtemp(prefix="sgl_pic_nodisk_"), 0)
+        write_back = "on_evict"
+    host = HostStoreConfig(
+        settings.host_cache_mb * 2**20,
+        policy=settings.eviction,
+        write_back=write_back,
+        namespace_max_bytes=settings.namespace_host_mb * 2**20,
+    )
+    # Disk hits enter host memory only when it exists; a zero-capacity host tier would
+    # make every promotion a wasted full read.
+    has_host = settings.host_cache_mb > 0
+    config = TieredStoreConfig(host, disk, promote_on_get=has_host, promote_on_get_layers=has_host)
+    shared = None
+    if getattr(settings, "shared_store", ""):
+        from sgl_pic.engine.lower_tiers import open_shared_tier
+
+        shared = open_shared_tier(settings.shared_store, pre.digest(), layout)
+    store = TieredStore(config, pre.digest(), shared=shared, layout=layout)
+    # Loads land in host memory; on a GPU the layer feed stages them through pinned memory
+    # and copies them on a side stream, one event per layer (``layer_feed``).
+    return LowerTiers(
+        store,
+        pre,
+        settings.config.segment_tokens,
+        spec.inv_freq.cpu(),
+        layout=spec.layout,
+        device="cpu",
+    )
+
+
+def _admit_hook(original: Any, req: Any, *args: Any, **kwargs: Any) -> str | None:
+    """SGLang's own input checks first; then, on a request SGLang accepts, the gate's."""
+    error = original(req, *args, **kwargs)
+    if error is not None or _gate is None:
+        return error
+    return _gate.admit(req)
+
+
+def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hands the batch's chunked requests to the executor, by SGLang's request id. The
+    hand-off is replaced per batch: SGLang forwards a batch right after preparing it, on
+    this thread, so nothing of an earlier batch may linger into this one."""
+    if _executor is None:
+        return result
+    from sgl_pic.binding.gate import PENDING_ATTR
+
+    handoff = {}
+    for req in batch.reqs:
+        pending = getattr(req, PENDING_ATTR, None)
+        if pending is None:
+            continue
+        if tuple(req.origin_input_ids) != pending.token_ids:
+            logger.warning(
+                "sgl_pic: request %s changed tokens after admission; it runs without reuse",
+                req.rid,
+            )
+            _executor.metrics.marks_ignored.labels(reason="tokens_changed").inc()
+            continue
+        handoff[req.rid] = pending
+    _executor.handoff = handoff
+    return result
+
+
+def _on_extend(
+    stack: Any,
+    input_ids: torch.Tensor,  # [n]
+    positions: torch.Tensor,  # [n]
+    forward_batch: Any,
+) -> torch.Tensor | None:
+    """The decoder stack's extend batches (``model_hooks.install``): chunk execution when
+    the batch carries chunked requests; None lets the stack run it as SGLang would."""
+    if _executor is None or _phases is None or _phases.batch is not None:
+        return None
+    if forward_batch.extend_prefix_lens_cpu is None:
+        return None
+    try:
+        return _executor.forward(stack, input_ids, forward_batch)
+    except Exception:
+        # SGLang kills the whole server when a scheduler raises. Running the batch as SGLang
+        # would rewrites every new token's KV from scratch, so whatever the failed attempt
+        # wrote is overwritten; the request is served without reuse and the failure counted.
+        logger.exception("sgl_pic: chunk execution failed; running the batch without reuse")
+        _executor.metrics.failures.inc()
+        _phases.before_layer, _phases.after_layer = [], []
+        _phases.batch = None
+        try:
+            # The backend was planned for a phase batch: plan it for the live one again.
+            _phases.backend.init_forward_metadata(forward_batch)
+        except Exception:
+            logger.exception("sgl_pic: re-planning the attention backend failed")
+        return None
+    # On success the backend's metadata describes the last phase batch; nothing after
+    # the decoder stack (the logits processor, sampling) reads it, and the next batch is
+    # planned afresh by SGLang.
+
+
+def _on_bypass(forward_batch: Any) -> None:
+    """An extend batch the executor cannot take (input embeddings, pipeline tensors): its
+    chunked requests run exact, counted."""
+    if _executor is not None and _executor.handoff:
+        logger.warning(
+            "sgl_pic: %d chunked request(s) in a batch with input embeddings run without reuse",
+            len(_executor.handoff),
+        )
+        _executor.metrics.fallbacks.inc(len(_executor.handoff))
+        _executor.handoff = {}
+
+
+def _torch_native_extend_hook(
+    original: Any,
+    backend: Any,
+    q: torch.Tensor,  # [n, num_heads * head_dim]
+    k: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
+    v: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
+    layer: Any,
+    forward_batch: Any,
+    save_kv_cache: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """AROUND hook on TorchNativeAttnBackend.forward_extend: SGLang's own path for every
+    batch but a phase batch of this process's executor."""
+    if _phases is None or forward_batch is not _phases.batch:
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    from sgl_pic.binding.attention import torch_native_phase_extend
+
+    groups = _phases.row_groups()
+    return torch_native_phase_extend(backend, q, k, v, layer, forward_batch, groups, save_kv_cache)
+
+
+def _prefill_graph_hook(
+    original: Any, graph_runner: Any, forward_batch: Any, *a: Any, **kw: Any
+) -> bool:
+    """AROUND hook on PrefillCudaGraphRunner.can_run_graph: a batch carrying chunked
+    requests of this process's executor runs eagerly, where the decoder-stack wrapper hands
+    it to the executor (a replayed graph would bypass the wrapper and prefill it exactly);
+    every other batch is SGLang's decision. The eager path is the one SGLang itself takes
+    for batches its graphs cannot run, on the same attention backend, which every replay
+    plans afresh."""
+    handoff = _executor.handoff if _executor is not None else None
+    if handoff:
+        rids = getattr(forward_batch, "rids", None)
+        # No request ids: whether it carries chunked requests is unknown, so eager.
+        if rids is None or any(rid in handoff for rid in rids):
+            return False
+    return original(graph_runner, forward_batch, *a, **kw)
+
+
+def _tp_sum(t: torch.Tensor) -> torch.Tensor:
+    """# same shape as ``t``: its sum over the tensor-parallel ranks."""
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(t.clone())

@@ -1,0 +1,400 @@
+"""Chunk-hashed, non-prefix nodes of the radix cache: independent chunk KV in SGLang's pool.
+
+Each node is one segment of a chunk (DARIC 3.3.2): its key chains over the chunk's earlier
+segments (``sgl_pic.keys.segment_keys``), its parent is the previous segment (None for a
+chunk's first), and its KV lives in slots taken from SGLang's token-to-KV allocator, keys
+post-RoPE at positions 0..n-1 of the chunk, exactly as phase 1 wrote them. So the
+allocator accounts for every cached chunk token; ``ChunkRadixCache`` reports them as
+evictable (unlocked) or protected (locked) beside SGLang's own prefix nodes.
+
+Keys name the isolation namespace of the request that stored the chunk
+(``sgl_pic.engine.tenants``): a lookup finds only its own namespace's nodes.
+
+A node is immutable once inserted: hits are copied out into the request's own slots and
+re-rotated there. Eviction takes leaves only (a segment whose successor is held stays, or
+the successor could never hit again), never a locked node, in the table's policy order
+(``sgl_pic.store.eviction``: LRU, LFU, or GDSF, which weighs recency, hits and size so a
+stream of novel chunks does not push out the ones in steady use).
+
+Fair share (``namespace_max_tokens``): no namespace holds more slots than its cap; an
+insert past it evicts only inside that namespace, and an insert short of room evicts the
+inserting namespace's own nodes before any other's, so one tenant's churn never pushes out
+another's nodes while it has nodes of its own to give up.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
+from sgl_pic.store.deletion import Deletion, content_digest
+from sgl_pic.store.eviction import check_policy, gdsf_priority
+
+
+@dataclass
+class ChunkNode:
+    """One cached segment. Mutable bookkeeping only; ``slots`` never change.
+
+    slots:    # [allocated] int64 pool slots; the first ``num_tokens`` hold the KV, the
+              rest pad the allocation to whole pages.
+    ranking:  # [num_tokens] CacheTune ranking, or None.
+    namespace: the isolation namespace it was stored under ("" the default).
+    content:  ``store.deletion.content_digest`` of its token ids: what a deletion by
+              content names.
+    deleted:  taken out of the index by a deletion while locked; its slots go back to the
+              allocator when the last lock is released.
+    """
+
+    key: str
+    parent: str | None
+    slots: torch.Tensor
+    num_tokens: int
+    ranking: torch.Tensor | None
+    namespace: str = ""
+    content: str = ""
+    deleted: bool = False
+    lock_ref: int = 0
+    children: int = 0
+    last_access: int = 0
+    hits: int = 0
+    priority: float = 0.0  # GDSF's (the table's policy may ignore it)
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """# [num_tokens] the slots holding the segment's KV."""
+        return self.slots[: self.num_tokens]
+
+    @property
+    def allocated(self) -> int:
+        return int(self.slots.numel())
+
+
+class ChunkHit(NamedTuple):
+    """All segments of one chunk, in order, and the chunk's ranking (None if any segment
+    lacks one)."""
+
+    nodes: tuple[ChunkNode, ...]
+    ranking: torch.Tensor | None
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """# [n] pool slots of the chunk's KV, token order."""
+        return torch.cat([n.kv_slots for n in self.nodes])
+
+
+class NodeDeleteReport(NamedTuple):
+    """What ``ChunkNodeTable.delete`` took out of the index: ``records`` nodes holding
+    ``tokens`` slots (of which ``pending_tokens`` are locked: freed when unlocked)."""
+
+    records: int
+    tokens: int
+    pending_tokens: int
+
+
+class ChunkNodeTable:
+    """The chunk nodes of one scheduler's cache.
+
+    allocator: SGLang's token-to-KV allocator (``alloc(n)`` -> slots or None, ``free``,
+               ``page_size``); every slot a node holds came from it and returns to it.
+    capacity_tokens: most slots the nodes may hold together; inserting beyond it evicts
+               unlocked leaves first and gives up (returns None) if that is not enough.
+    policy:    eviction order among unlocked leaves: "lru", "lfu" or "gdsf".
+    namespace_max_tokens: most slots one isolation namespace's nodes may hold (0: no cap);
+               see the module's note on fair share.
+
+    Not thread-safe: SGLang's scheduler thread owns it, as it owns the prefix tree.
+    """
+
+    def __init__(
+        self,
+        allocator: Any,
+        fingerprint: ModelFingerprint,
+        segment_tokens: int,
+        capacity_tokens: int,
+        policy: str = "lru",
+        namespace_max_tokens: int = 0,
+    ) -> None:
+        if capacity_tokens < 0:
+            raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+        if namespace_max_tokens < 0:
+            raise ValueError(f"namespace_max_tokens must be >= 0, got {namespace_max_tokens}")
+        self.namespace_max_tokens = namespace_max_tokens
+        check_policy(policy)
+        self.policy = policy
+        self._age = 0.0  # GDSF's inflation value: the priority of the last node evicted
+        self.evicted_nodes = 0  # cumulative, for the metrics
+        self.allocator = allocator
+        self.fingerprint = fingerprint
+        self.segment_tokens = segment_tokens
+        self.capacity_tokens = capacity_tokens
+        self.page_size = int(getattr(allocator, "page_size", 1) or 1)
+        self._nodes: dict[str, ChunkNode] = {}
+        self._clock = itertools.count(1)
+        self._allocated = 0
+        self._locked = 0  # slots of nodes with lock_ref > 0
+        self._by_namespace: dict[str, int] = {}  # slots held per namespace (>0 only)
+        # Bumped by every clear (SGLang's flush_cache): work begun before a flush, such as a
+        # promotion still loading, must not refill the table after it.
+        self.generation = 0
+
+    # ----------------------------------------------------------------- sizes
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def allocated_tokens(self) -> int:
+        return self._allocated
+
+    @property
+    def protected_tokens(self) -> int:
+        """Slots of locked nodes: in use by a running request."""
+        return self._locked
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self._allocated - self._locked
+
+    def contains(self, key: str) -> bool:
+        return key in self._nodes
+
+    def tokens_by_namespace(self) -> dict[str, int]:
+        """Slots held per isolation namespace (those holding any), deleted nodes still
+        locked included."""
+        return dict(self._by_namespace)
+
+    # ----------------------------------------------------------------- lookup
+    def keys(self, token_ids: Sequence[int], namespace: str = "") -> tuple[SegmentKey, ...]:
+        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens, namespace)
+
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> ChunkHit | None:
+        """The chunk's nodes in ``namespace`` if every segment is held (touching them),
+        else None."""
+        keys = self.keys(token_ids, namespace)
+        nodes = [self._nodes.get(k.digest) for k in keys]
+        if any(n is None for n in nodes):
+            return None
+        held = tuple(n for n in nodes if n is not None)
+        now = next(self._clock)
+        for n in held:
+            n.last_access = now
+            n.hits += 1
+            n.priority = gdsf_priority(self._age, n.hits + 1, n.allocated)
+        rankings = [n.ranking for n in held]
+        ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
+        return ChunkHit(held, ranking)
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
+    ) -> tuple[tuple[ChunkNode, ...], tuple[SegmentKey, ...]] | None:
+        """Allocates the segments of ``namespace`` not yet held and links them in; returns
+        (new nodes, their keys) for the caller to fill with KV before anything reads them
+        (the scheduler thread does both, so nothing can read them in between). None when
+        the slots cannot be had within the capacity; nothing is changed then."""
+        keys = self.keys(token_ids, namespace)
+        missing = [k for k in keys if k.digest not in self._nodes]
+        if not missing:
+            return (), ()
+        need = sum(self._padded(k.end - k.start) for k in missing)
+        # The chunk's segments already held are its new nodes' ancestors: they must
+        # survive the eviction below, so they are locked for it.
+        held = [self._nodes[k.digest] for k in keys if k.digest in self._nodes]
+        self.lock(held)
+        try:
+            own_over = 0
+            if self.namespace_max_tokens:
+                own_over = self._by_namespace.get(namespace, 0) + need - self.namespace_max_tokens
+                if own_over > self._evictable_in(namespace):
+                    return None
+            over = self._allocated + need - self.capacity_tokens
+            # Every unlocked node can go (locks cover whole chunks, so a locked node's
+            # ancestors are locked too): refuse before evicting anything if that is not
+            # enough, or the pool cannot give the slots even then.
+            if over > self.evictable_tokens:
+                return None
+            short = need - (self.allocator.available_size() + max(over, 0))
+            if short > self.evictable_tokens - max(over, 0):
+                return None
+            if own_over > 0:
+                self._evict(own_over, only=namespace)
+                over = self._allocated + need - self.capacity_tokens
+                short = need - (self.allocator.available_size() + max(over, 0))
+            if over > 0 or short > 0:
+                cap = bool(self.namespace_max_tokens)
+                self._evict(max(over, 0) + max(short, 0), first=namespace if cap else None)
+            slots = self.allocator.alloc(need)
+        finally:
+            self.unlock(held)
+        if slots is None:
+            return None
+        now = next(self._clock)
+        new: list[ChunkNode] = []
+        at = 0
+        by_digest = {k.digest: i for i, k in enumerate(keys)}
+        for k in missing:
+            n = k.end - k.start
+            take = self._padded(n)
+            i = by_digest[k.digest]
+            parent = keys[i - 1].digest if i > 0 else None
+            node = ChunkNode(
+                key=k.digest,
+                parent=parent,
+                slots=slots[at : at + take],
+                num_tokens=n,
+                ranking=None if ranking is None else ranking[k.start : k.end].clone(),
+                namespace=namespace,
+                content=content_digest(list(token_ids[k.start : k.end])),
+                last_access=now,
+                priority=gdsf_priority(self._age, 1, take),
+            )
+            at += take
+            self._nodes[k.digest] = node
+            self._allocated += take
+            self._by_namespace[namespace] = self._by_namespace.get(namespace, 0) + take
+            if parent is not None and parent in self._nodes:
+                self._nodes[parent].children += 1
+            new.append(node)
+        return tuple(new), tuple(missing)
+
+    def discard(self, nodes: Sequence[ChunkNode]) -> None:
+        """Takes back nodes ``insert`` just returned, before anything read them (their
+        KV could not be written): their slots go back to the allocator, and the chunk is
+        held no more than before."""
+        for n in reversed(nodes):  # a new node's children are later new nodes
+            if self._nodes.get(n.key) is n:
+                self._remove(n)
+
+    def _padded(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    # ----------------------------------------------------------------- locking
+    def lock(self, nodes: Sequence[ChunkNode]) -> None:
+        for n in nodes:
+            if n.lock_ref == 0:
+                self._locked += n.allocated
+            n.lock_ref += 1
+
+    def unlock(self, nodes: Sequence[ChunkNode]) -> None:
+        for n in nodes:
+            if n.lock_ref <= 0:
+                raise RuntimeError(f"chunk node {n.key[:12]} unlocked more than locked")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._locked -= n.allocated
+                if n.deleted:
+                    self._allocated -= n.allocated
+                    self._count_out(n)
+                    self.allocator.free(n.slots)
+
+    # ----------------------------------------------------------------- eviction
+    def evict(self, num_tokens: int) -> int:
+        """Frees unlocked leaf nodes in policy order until ``num_tokens`` slots are back in
+        the allocator or none is left; returns the slots freed."""
+        return self._evict(num_tokens)
+
+    def _evict(self, num_tokens: int, only: str | None = None, first: str | None = None) -> int:
+        """``evict`` among nodes of namespace ``only`` (None: all), those of ``first``
+        before any other's."""
+        freed = 0
+        while freed < num_tokens:
+            victims = [
+                n
+                for n in self._nodes.values()
+                if n.lock_ref == 0 and n.children == 0 and (only is None or n.namespace == only)
+            ]
+            if not victims:
+                break
+            if first is None:
+                victims.sort(key=self._order)
+            else:
+                victims.sort(key=lambda n: (n.namespace != first, *self._order(n)))
+            for n in victims:
+                freed += self._remove(n)
+                self.evicted_nodes += 1
+                self._age = max(self._age, n.priority)
+                if freed >= num_tokens:
+                    break
+        return freed
+
+    def _evictable_in(self, namespace: str) -> int:
+        return sum(
+            n.allocated for n in self._nodes.values() if n.namespace == namespace and not n.lock_ref
+        )
+
+    def _count_out(self, node: ChunkNode) -> None:
+        left = self._by_namespace.get(node.namespace, 0) - node.allocated
+        if left > 0:
+            self._by_namespace[node.namespace] = left
+        else:
+            self._by_namespace.pop(node.namespace, None)
+
+    def _order(self, node: ChunkNode) -> tuple[float, int]:
+        if self.policy == "gdsf":
+            return node.priority, node.last_access
+        if self.policy == "lfu":
+            return node.hits, node.last_access
+        return 0, node.last_access
+
+    def _remove(self, node: ChunkNode) -> int:
+        del self._nodes[node.key]
+        self._allocated -= node.allocated
+        self._count_out(node)
+        if node.parent is not None and node.parent in self._nodes:
+            self._nodes[node.parent].children -= 1
+        self.allocator.free(node.slots)
+        return node.allocated
+
+    # ----------------------------------------------------------------- deletion
+    def delete(self, deletion: Deletion) -> NodeDeleteReport:
+        """Takes every node ``deletion`` matches out of the index at once, with the nodes
+        chained after them (which could never hit again). An unlocked node's slots go back
+        to the allocator now, a locked one's when the request holding it unlocks it (its
+        KV is already being copied out; nothing can find it any more). Bumps
+        ``generation``, so a promotion under way cannot bring a deleted chunk back."""
+        self.generation += 1
+        doomed = {
+            k for k, n in self._nodes.items() if deletion.matches_digest(n.namespace, n.content)
+        }
+        if not doomed:
+            return NodeDeleteReport(0, 0, 0)
+        # Successors of a deleted segment: a node's parent precedes it in insertion
+        # order, so one pass in that order finds whole chains.
+        for k, n in self._nodes.items():
+            if n.parent is not None and n.parent in doomed:
+                doomed.add(k)
+        tokens = pending = 0
+        for k in [k for k in self._nodes if k in doomed]:
+            node = self._nodes[k]
+            tokens += node.allocated
+            if node.lock_ref:
+                pending += node.allocated
+                node.deleted = True
+                del self._nodes[k]
+                if node.parent is not None and node.parent in self._nodes:
+                    self._nodes[node.parent].children -= 1
+            else:
+                self._remove(node)
+        return NodeDeleteReport(len(doomed), tokens, pending)
+
+    def clear(self, free: bool) -> None:
+        """Drops every node; ``free=False`` when the allocator is being cleared anyway
+        (SGLang's flush_cache resets the tree, then the allocator)."""
+        if any(n.lock_ref for n in self._nodes.values()):
+            raise RuntimeError("cannot clear chunk nodes while a request holds them")
+        if free:
+            for n in list(self._nodes.values()):
+                self._remove(n)
+        self._nodes.clear()
+        self._by_namespace.clear()
+        self._allocated = 0
+        self._locked = 0
+        self._age = 0.0
+        self.generation += 1

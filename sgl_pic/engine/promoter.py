@@ -1,0 +1,123 @@
+"""Promotion of host/disk chunks into chunk nodes after a request used them.
+
+The full read and rotation of a promoted chunk run on one worker thread, off the
+request's path; the nodes are filled on the scheduler's thread (``finish_ready`` at the
+start of the next batch, or ``finish`` when a request needs the chunk before that), since
+only that thread may touch SGLang's allocator. A promotion is of one chunk in one
+isolation namespace, and fills that namespace's nodes only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.worker_threads import thread_pool
+
+logger = logging.getLogger(__name__)
+
+# Lower-tier chunks being promoted at once; more are dropped (counted): a promotion only
+# saves a later load, and an unbounded backlog would hold host memory.
+MAX_PROMOTIONS = 32
+
+ChunkIds = tuple[int, ...]
+# (isolation namespace, chunk token ids): what one promotion fills.
+JobKey = tuple[str, ChunkIds]
+
+
+class Promoter:
+    """nodes: the chunk node table (``match``, ``generation``, ``capacity_tokens``).
+    load_full(hit, chunk_ids): the chunk's whole KV # [L, 2, n, H, D], keys at 0..n-1, or
+    None when its records are gone (run on the worker).
+    store(chunk_ids, kv, ranking, namespace): fills chunk nodes of ``namespace`` (run on
+    the scheduler's thread)."""
+
+    def __init__(
+        self,
+        nodes: Any,
+        load_full: Callable[[Any, ChunkIds], torch.Tensor | None],
+        store: Callable[[ChunkIds, torch.Tensor, torch.Tensor | None, str], None],
+        metrics: PicMetrics,
+    ) -> None:
+        self.nodes = nodes
+        self.load_full = load_full
+        self.store = store
+        self.metrics = metrics
+        self._pool: ThreadPoolExecutor | None = None
+        # (namespace, chunk token ids) -> (full load, its ranking, the table's generation
+        # at submit)
+        self._jobs: dict[JobKey, tuple[Future[torch.Tensor | None], Any, int]] = {}
+
+    def __contains__(self, key: JobKey) -> bool:
+        return key in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def submit(
+        self,
+        hit: Any,
+        chunk_ids: ChunkIds,
+        ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
+    ) -> None:
+        """Starts loading one chunk of ``namespace`` for promotion, unless it is under way,
+        already a node, or the queue is full (counted as a drop)."""
+        key = (namespace, chunk_ids)
+        if self.nodes.capacity_tokens == 0 or key in self._jobs:
+            return
+        if self.nodes.match(chunk_ids, namespace) is not None:
+            return
+        if len(self._jobs) >= MAX_PROMOTIONS:
+            self.metrics.queue_drops.labels(queue="promotion").inc()
+            return
+        if self._pool is None:
+            self._pool = thread_pool(1, "sgl-pic-promote")
+        job = self._pool.submit(self.load_full, hit, chunk_ids)
+        self._jobs[key] = (job, ranking, self.nodes.generation)
+
+    def finish_ready(self) -> None:
+        """Fills chunk nodes with every promotion whose load has completed."""
+        for key, (job, _, _) in list(self._jobs.items()):
+            if job.done():
+                self.finish(key)
+
+    def finish(self, key: JobKey, timeout_s: float | None = None) -> bool:
+        """Waits up to ``timeout_s`` for one promotion's load and fills its chunk nodes
+        (unless a flush came in between, or the load found the records gone). False when
+        the load is still running: it stays queued, and the caller reads the lower tier."""
+        job, ranking, generation = self._jobs[key]
+        namespace, chunk_ids = key
+        if generation != self.nodes.generation:
+            # Begun before a flush, which dropped the chunk nodes: never waited for.
+            del self._jobs[key]
+            job.cancel()
+            return True
+        try:
+            kv = job.result(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - a failed promotion only loses the speed-up
+            del self._jobs[key]
+            logger.exception("sgl_pic: promotion of a stored chunk failed")
+            return True
+        del self._jobs[key]
+        if kv is not None and self.nodes.match(chunk_ids, namespace) is None:
+            self.store(chunk_ids, kv, ranking, namespace)
+            self.metrics.promotions.inc()
+        return True
+
+    def close(self) -> None:
+        """Drops queued promotions and joins the worker (shutdown): at most the one chunk
+        read already running is waited for."""
+        for job, _, _ in self._jobs.values():
+            job.cancel()
+        self._jobs.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

@@ -1,0 +1,244 @@
+"""The planner without a server: hit classification, which r a cachetune request runs at,
+L_cont, the merged selection and the runs phase 2 executes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sgl_pic.binding.gate import Pending
+from sgl_pic.binding.phases import runs_of
+from sgl_pic.config import PicConfig
+from sgl_pic.engine import planner
+from sgl_pic.engine.planner import ChunkLookup, RequestPlan
+from sgl_pic.http.spans import PicRequest
+from sgl_pic.layout import PromptLayout
+
+RATIOS = {"device": 0.15, "host": 0.2, "disk": 0.35}
+
+
+def _plan(
+    tiers: set[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    policy: str = "cachetune",
+    spans: list[list[int]] | None = None,
+    n: int = 10,
+    prefix: int = 0,
+) -> RequestPlan:
+    layout = PromptLayout.from_spans(n, spans or [[0, 4], [4, 8]])
+    request = PicRequest(layout, overrides or {})
+    config = PicConfig(policy=policy).with_overrides(**(overrides or {}))
+    plan = RequestPlan(0, 1, prefix, Pending(request, tuple(range(n))), config)
+    plan.tiers = set(tiers or ())
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("tiers", "expected"),
+    [
+        ({"device"}, 0.15),
+        ({"device", "host"}, 0.2),
+        ({"host", "disk"}, 0.35),
+        ({"host", "shared"}, 0.35),
+        (set(), 0.15),
+    ],
+)
+def test_slowest_tier_sets_r(tiers: set[str], expected: float) -> None:
+    # No tier (every chunk missed): the configured r (0.15 by default) stays. The shared
+    # tier, never calibrated, takes the disk tier's r.
+    assert planner.calibrated(_plan(tiers), RATIOS).cachetune_r == expected
+
+
+def test_request_r_calibration_off_and_other_policies_are_left_alone() -> None:
+    pinned = _plan({"disk"}, {"cachetune_r": 0.5})
+    assert planner.calibrated(pinned, RATIOS).cachetune_r == 0.5
+    assert planner.calibrated(_plan({"disk"}), None).cachetune_r == 0.15
+    daric = _plan({"disk"}, policy="daric")
+    assert planner.calibrated(daric, RATIOS) is daric.config
+
+
+def test_contiguous_hit_length() -> None:
+    assert planner.contiguous_hit_length(0, [(0, 10), (10, 20), (22, 30)]) == 20  # gap at 20
+    assert planner.contiguous_hit_length(0, [(10, 20)]) == 0  # first chunk missed
+    assert planner.contiguous_hit_length(10, [(10, 20)]) == 20  # continues the prefix
+    assert planner.contiguous_hit_length(5, []) == 0
+
+
+def test_classify_splits_prefix_hits_and_misses() -> None:
+    # Chunks [0,4) [4,8) [8,12) [14,18) [18,20); device prefix 6 cuts the second chunk.
+    plan = _plan(spans=[[0, 4], [4, 8], [8, 12], [14, 18], [18, 20]], n=20, prefix=6)
+    seen: list[tuple[int, int]] = []
+    answers = {
+        (8, 12): ChunkLookup(None, None),
+        (14, 18): ChunkLookup("host", torch.ones(4)),
+        (18, 20): ChunkLookup("shared", None),
+    }
+
+    def lookup(start: int, end: int) -> ChunkLookup:
+        seen.append((start, end))
+        return answers[(start, end)]
+
+    planner.classify(plan, lookup)
+    assert seen == [(8, 12), (14, 18), (18, 20)]  # prefix chunks are never looked up
+    assert plan.misses == [(8, 12)] and plan.hit_spans == [(14, 18), (18, 20)]
+    assert plan.forced is not None and plan.forced.tolist() == [6, 7]  # the cut chunk's tail
+    assert plan.tiers == {"host", "shared"} and len(plan.rankings) == 5
+    s = plan.stats
+    assert s is not None
+    assert (s.device_prefix_chunks, s.contiguous_hits, s.disjoint_hits) == (1, 0, 2)
+    assert (s.host_hits, s.disk_hits, s.shared_hits) == (1, 0, 1)
+    assert (s.reused_tokens, s.new_tokens, s.prefix_hit_tokens) == (6, 14, 6)
+
+
+def test_a_chunk_the_prefix_cuts_reuses_its_device_copy_from_the_prefix_on() -> None:
+    # The device prefix (6) ends inside chunk [4, 8): its tail is looked up once, with the
+    # prefix; a device hit makes 6..7 reused, a miss leaves them recomputed.
+    for tier, forced, reused in (("device", [], 2 + 4), (None, [6, 7], 4)):
+        plan = _plan(spans=[[0, 4], [4, 8], [8, 12]], n=16, prefix=6)
+        tails: list[tuple[int, int, int]] = []
+
+        def lookup_tail(
+            start: int, end: int, keep: int, tier: str | None = tier, tails: list = tails
+        ) -> ChunkLookup:
+            tails.append((start, end, keep))
+            return ChunkLookup(tier, torch.arange(4.0) if tier else None)
+
+        planner.classify(plan, lambda s, e: ChunkLookup("device", None), lookup_tail)
+        assert tails == [(4, 8, 6)]
+        assert plan.forced is not None and plan.forced.tolist() == forced
+        s = plan.stats
+        assert s is not None and s.reused_tokens == reused
+        if tier:
+            assert plan.hit_spans == [(6, 8), (8, 12)] and plan.rankings[1] is not None
+            assert (s.contiguous_hits, s.device_hits, s.prefix_hit_tokens) == (2, 2, 12)
+        else:
+            assert plan.hit_spans == [(8, 12)]
+            assert (s.contiguous_hits, s.disjoint_hits) == (0, 1)  # after the recomputed tail
+
+
+def test_select_refines_by_prefix_and_counts_reuse() -> None:
+    plan = _plan(spans=[[0, 8], [8, 16]], n=20, prefix=4, policy="epic", overrides={"epic_k": 2})
+    planner.classify(plan, lambda s, e: ChunkLookup("device", None))
+    sel = planner.select(plan, lambda: torch.zeros(20))
+    # EPIC: first 2 of each chunk (0, 1 dropped as device prefix; the first chunk's tail
+    # 4..7 is forced), then fresh 16..19 (including the last token).
+    assert sel.tolist() == [4, 5, 6, 7, 8, 9, 16, 17, 18, 19]
+    assert plan.selected is sel
+    assert plan.stats is not None and plan.stats.recomputed_tokens == 10
+    assert plan.stats.reused_tokens == 8 - 2  # the second chunk's 8 minus its 2 recomputed
+
+
+def test_runs_of_and_merging() -> None:
+    sel = torch.tensor([3, 4, 5, 9, 11, 12, 20])
+    assert runs_of(sel) == [(3, 6), (9, 10), (11, 13), (20, 21)]
+    assert runs_of(sel, merge_gap=1) == [(3, 6), (9, 13), (20, 21)]
+    assert runs_of(sel, merge_gap=8) == [(3, 21)]
+    assert runs_of(torch.empty(0, dtype=torch.int64)) == []
+    # Runs cover exactly the positions when nothing is merged.
+    covered = torch.cat([torch.arange(a, b) for a, b in runs_of(sel)])
+    assert covered.tolist() == sel.tolist()
+
+
+def test_runs_are_merged_until_the_phase_batch_fits() -> None:
+    from types import SimpleNamespace
+
+    from sgl_pic.engine.executor import ChunkExecutor
+
+    merges = SimpleNamespace(n=0)
+    ex = ChunkExecutor.__new__(ChunkExecutor)
+    ex.merge_gap = 0
+    ex.phases = SimpleNamespace(max_subrequests=4)
+    ex.metrics = SimpleNamespace(
+        run_merges=SimpleNamespace(inc=lambda: setattr(merges, "n", merges.n + 1))
+    )
+    plan = _plan(spans=[[0, 8], [8, 16]], n=20, policy="epic")
+    planner.classify(plan, lambda s, e: ChunkLookup("device", None))
+    plan.selected = torch.tensor([1, 3, 5, 7, 9, 19])
+    runs = {0: runs_of(plan.selected)}
+    ex._fit(runs, {0: plan}, plain=1)
+    # 6 runs + 1 plain request > 4: gap 1 joins 1..9 into one run, leaving 2 + 1.
+    assert runs[0] == [(1, 10), (19, 20)] and merges.n == 1
+    assert plan.selected.tolist() == [*range(1, 10), 19]
+    assert plan.stats is not None and plan.stats.recomputed_tokens == 10
+
+
+def test_a_deferred_miss_is_fresh_text_computed_whole() -> None:
+    # Chunks [0,4) [4,8) [8,12); [4,8) missed and store admission deferred it: it is not
+    # for phase 1, it is forced whole, and selection sees it as fresh text.
+    plan = _plan(spans=[[0, 4], [4, 8], [8, 12]], n=16, policy="epic", overrides={"epic_k": 1})
+    answers = {
+        (0, 4): ChunkLookup("device", torch.ones(4)),
+        (4, 8): ChunkLookup(None, None, admit=False),
+        (8, 12): ChunkLookup("device", torch.zeros(4)),
+    }
+    planner.classify(plan, lambda s, e: answers[(s, e)])
+    assert plan.misses == [] and plan.deferred == [(4, 8)]
+    assert plan.forced is not None and plan.forced.tolist() == [4, 5, 6, 7]
+    assert [(c.start, c.end) for c in plan.layout.chunks] == [(0, 4), (8, 12)]
+    assert [(c.start, c.end) for c in plan.pending.request.layout.chunks] == [
+        (0, 4),
+        (4, 8),
+        (8, 12),
+    ]
+    assert len(plan.rankings) == 2 and plan.rankings[1] is answers[(8, 12)].ranking
+    s = plan.stats
+    assert s is not None
+    assert (s.deferred, s.misses, s.contiguous_hits, s.disjoint_hits) == (1, 0, 1, 1)
+    assert s.reused_tokens == 8  # the two hits; the deferred chunk reuses nothing
+    sel = planner.select(plan, lambda: torch.zeros(16))
+    # EPIC's first token of the reused chunk after position 0, the deferred chunk whole,
+    # and the fresh tail.
+    assert sel.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
+    assert plan.stats is not None and plan.stats.reused_tokens == 8 - 1
+
+
+def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> None:
+    # SGLang's retract_decode frees a running request and queues it again; its next extend
+    # covers the prompt and the output so far (more tokens than the marks were verified
+    # for). It runs as SGLang would, counted as resumed, not as a fallback.
+    from types import SimpleNamespace
+
+    from sgl_pic.engine.executor import ChunkExecutor
+
+    counts = {"resumed": 0, "fallbacks": 0}
+
+    def counter(name: str) -> SimpleNamespace:
+        return SimpleNamespace(inc=lambda: counts.__setitem__(name, counts[name] + 1))
+
+    ex = ChunkExecutor.__new__(ChunkExecutor)
+    ex.promoter = []  # nothing being promoted
+    ex.metrics = SimpleNamespace(resumed=counter("resumed"), fallbacks=counter("fallbacks"))
+    pending = _plan(spans=[[0, 4], [4, 8]], n=10).pending
+    ex.handoff = {"r": pending}
+    live = SimpleNamespace(
+        rids=["r"],
+        req_pool_indices=torch.tensor([1]),
+        extend_prefix_lens_cpu=[9],  # the prompt, held in the tree, but its last token
+        extend_seq_lens_cpu=[1 + 5],  # that token and 5 output tokens
+        return_logprob=False,
+    )
+    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
+    assert counts == {"resumed": 1, "fallbacks": 0} and ex.handoff == {}
+    # A chunked-prefill piece before the last is still a fallback.
+    ex.handoff = {"r": pending}
+    live.extend_prefix_lens_cpu, live.extend_seq_lens_cpu = [0], [6]
+    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
+    assert counts == {"resumed": 1, "fallbacks": 1}
+
+
+def test_pool_rows_come_from_sglangs_host_copy_without_reading_the_device() -> None:
+    from types import SimpleNamespace
+
+    def device_read() -> list[int]:
+        raise AssertionError("read the device tensor although the host copy was there")
+
+    live = SimpleNamespace(
+        req_pool_indices=SimpleNamespace(tolist=device_read),
+        req_pool_indices_cpu=torch.tensor([3, 1]),
+    )
+    assert planner.pool_rows(live) == [3, 1]
+    # A batch without the host copy (SGLang leaves it None outside plain extend batches).
+    bare = SimpleNamespace(req_pool_indices=torch.tensor([2, 5]), req_pool_indices_cpu=None)
+    assert planner.pool_rows(bare) == [2, 5]
