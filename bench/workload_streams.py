@@ -34,7 +34,7 @@ from _common import ROOT, embedded_tokenizer
 
 DELIM = "<|pic_chunk|>"
 # The chat template the servers of these workloads carry: one of the tests' fixtures.
-TOOL_TEMPLATE = ROOT / "tests" / "integration" / "templates" / "qwen25.jinja"
+TOOL_TEMPLATE = ROOT / "tests" / "support" / "templates" / "qwen25.jinja"
 TEMPLATED_WORKLOADS = ("agent", "tools")
 SYSTEM = "You are a helpful assistant. Use the context to answer in a few words."
 
