@@ -25,7 +25,9 @@ truncated to ``--passage-tokens``) drawn from a pool with Zipf popularity, and a
 
 With ``--tenants N``, plain, chunked and chat requests go out as one of N tenants (their
 ``extra_key`` or ``cache_salt``) or as none, and a probe counts cross-tenant chunk hits,
-which must be 0 (``bench/soak_tenants.py``).
+which must be 0, then deletes the probing tenant's chunks and counts any served again,
+which must be 0 too (``bench/soak_tenants.py``); operator deletions of a tenant's
+namespace (``POST /pic/delete``) also join the mix.
 
 A dedicated client sends the canary (fixed plain /generate, greedy, 8 tokens, with output
 logprobs) every ``--canary-every`` seconds and compares it with the reference it took at
@@ -39,8 +41,9 @@ server death other than the planned kill is a crash (the server is restarted and
 goes on). Results go to ``bench/results/soak.json`` (``--out``): git commit and dirtiness,
 settings, every request (kind, status, latency, t), canary checks, disk scans, server
 events, the last server's chunk metrics and a summary, which is also printed. Exit status
-1 on any 5xx, crash, failed restart, canary mismatch or canary error, or disk record lost
-or corrupt after the kill.
+1 on any 5xx, crash, failed restart, canary mismatch or canary error, disk record lost
+or corrupt after the kill, cross-tenant chunk hit, deleted chunk served again, or failed
+tenant probe.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ LOGPROB_TOL = 1e-4
 VOCAB = 49152  # the embedded SmolLM2's vocabulary
 # Kinds of client request and their weights in the mix.
 MIX = {"plain": 2, "chunked": 5, "chat": 2, "frontend": 1, "malformed": 1}
+# With tenants, operator deletions of one tenant's namespace join the mix (POST /pic/delete
+# while requests of every tenant are in flight).
+DELETE_WEIGHT = 0.2
 # Outcomes that are no error: a valid request answered 200, a malformed one refused with
 # 400/413, a request that found the server down during an outage.
 FINE = frozenset({"ok", "rejected", "unavailable"})
@@ -447,7 +453,8 @@ class Client:
         self.session = requests.Session()
 
     def loop(self) -> None:
-        kinds, weights = zip(*MIX.items(), strict=True)
+        mix = {**MIX, "delete": DELETE_WEIGHT} if self.run.args.tenants else MIX
+        kinds, weights = zip(*mix.items(), strict=True)
         while time.monotonic() < self.run.deadline:
             kind = self.rng.choices(kinds, weights=weights)[0]
             rec = getattr(self, "_" + kind)()
@@ -510,6 +517,14 @@ class Client:
             body["pic"] = {"config": _random_config(self.rng, self.rng.choice(POLICIES))}
         sub = ("stream" if stream else "whole") + self._salt(body, chat=True)
         return self.run.post(self, "chat", sub, "/v1/chat/completions", body, valid=True)
+
+    def _delete(self) -> Record:
+        """The operator deletes one tenant's chunks (``--tenants``) amid the mix."""
+        field = self.rng.choice(["extra_key", "cache_salt"])
+        tenant = f"tenant-{self.rng.randrange(self.run.args.tenants)}"
+        body = {"namespace": {field: tenant}}
+        with self.run.deleting:
+            return self.run.post(self, "delete", field, "/pic/delete", body, valid=True)
 
     def _malformed(self) -> Record:
         form, path, raw = _malformed(self.run.workload, self.rng, self.run.args.max_new_tokens)
@@ -589,6 +604,9 @@ class Soak:
         self.crashes = 0
         # Requests of the mix hold it while in flight; the tenant probe runs alone.
         self.quiesce = Quiesce()
+        # Held by deletions (the mix's and the probe's) and by the planned kill's disk
+        # scans, so no record a deletion removes reads as lost to the kill.
+        self.deleting = threading.Lock()
         self.probes: list[ProbeResult] = []
 
     def now(self) -> float:
@@ -738,7 +756,7 @@ class Soak:
             if time.monotonic() >= self.deadline or not self.server.up.is_set():
                 continue
             n += 1
-            with self.quiesce.alone():
+            with self.deleting, self.quiesce.alone():
                 result = probe(
                     self.server.url, n, w.ids, texts, w.tails[0], self.args.timeout, self.now()
                 )
@@ -936,7 +954,7 @@ def main() -> int:
                 t.start()
             if not args.no_kill:
                 time.sleep(max(0.0, soak.deadline - args.minutes * 30 - time.monotonic()))
-                with soak.server.lifecycle:
+                with soak.server.lifecycle, soak.deleting:
                     scans["before_kill"] = scan_disk(disk, soak.now())
                     soak.server.kill9(planned=True)
                     soak.server.event("killed", f"SIGKILL to process group {soak.server.pid}")
@@ -993,6 +1011,8 @@ def main() -> int:
         or d.get("lost_after_kill", 0)
         or d.get("corrupt_after_kill", 0)
         or summary.get("tenants", {}).get("cross_tenant_hits", 0)
+        or summary.get("tenants", {}).get("deleted_chunk_hits", 0)
+        or summary.get("tenants", {}).get("probe_errors", 0)
     )
     return 1 if failed else 0
 

@@ -12,7 +12,10 @@ chunks (passages with a text nobody else sends) as tenant X, the same chunks und
 another header as tenant Y, and once more as X. Y's chunk hits (any tier, read from
 /metrics around its request) are cross-tenant hits and must be 0; X's second request
 reusing its own chunks is counted as a same-tenant hit (informative: store admission may
-have deferred a first sight).
+have deferred a first sight). Then the operator deletes X's chunks (``POST /pic/delete``,
+by X's namespace on odd probes, by the chunks' token ids within X's namespace on even
+ones) and X sends them once more: any chunk hit then is a deleted chunk served again and
+must be 0.
 """
 
 from __future__ import annotations
@@ -81,10 +84,12 @@ def salt(body: dict[str, Any], rng: random.Random, tenants: int, chat: bool) -> 
 
 class ProbeResult(NamedTuple):
     t: float
-    outcome: str  # ok | cross_tenant_hit | error
+    outcome: str  # ok | cross_tenant_hit | deleted_hit | error
     cross_hits: float  # chunk hits of tenant Y's request on X's chunks
     same_hits: float  # chunk hits of X's repeat
     detail: str
+    deleted_records: int = 0  # records the deletion reported removed, all tiers
+    deleted_hits: float = 0.0  # chunk hits of X's request after its chunks were deleted
 
 
 def _hits(url: str) -> float:
@@ -132,15 +137,29 @@ def probe(
             raise RuntimeError(f"probe request answered {r.status_code}: {r.text[:200]}")
         return _hits(url) - before
 
+    def delete() -> int:
+        order: dict[str, Any] = {"namespace": {field: x}}
+        if n % 2 == 0:
+            order["input_ids"] = chunks
+        r = requests.post(url + "/pic/delete", json=order, timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"deletion answered {r.status_code}: {r.text[:200]}")
+        tiers = r.json()["deleted"]["tiers"].values()
+        return sum(int(v.get("records", 0)) for v in tiers)
+
     field = rng.choice(["extra_key", "cache_salt"])
+    how = "content" if n % 2 == 0 else "namespace"
     try:
         send(f"Probe {n}, first.", field, x)
         cross = send(f"Probe {n}, other tenant.", field, y)
         same = send(f"Probe {n}, same tenant.", field, x)
-    except (requests.RequestException, RuntimeError) as e:
+        removed = delete()
+        after = send(f"Probe {n}, after deletion.", field, x)
+    except (requests.RequestException, RuntimeError, KeyError, ValueError) as e:
         return ProbeResult(t, "error", 0.0, 0.0, f"{type(e).__name__}: {str(e)[:200]}")
-    outcome = "cross_tenant_hit" if cross else "ok"
-    return ProbeResult(t, outcome, cross, same, f"{x} then {y} via {field}")
+    outcome = "cross_tenant_hit" if cross else "deleted_hit" if after else "ok"
+    detail = f"{x} then {y} via {field}; deleted by {how}"
+    return ProbeResult(t, outcome, cross, same, detail, removed, after)
 
 
 def summarize(results: list[ProbeResult]) -> dict[str, Any]:
@@ -151,4 +170,7 @@ def summarize(results: list[ProbeResult]) -> dict[str, Any]:
         "cross_tenant_hits": sum(r.cross_hits for r in ok),
         "probes_with_cross_tenant_hits": sum(r.outcome == "cross_tenant_hit" for r in ok),
         "probes_where_the_same_tenant_hit": sum(r.same_hits > 0 for r in ok),
+        "deleted_records": sum(r.deleted_records for r in ok),
+        "deleted_chunk_hits": sum(r.deleted_hits for r in ok),
+        "probes_with_deleted_chunk_hits": sum(r.outcome == "deleted_hit" for r in ok),
     }
