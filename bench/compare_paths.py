@@ -34,7 +34,15 @@ from _common import (
 )
 from _server import Client, launch, shifted
 
-POLICIES = ("full_recompute", "daric", "epic", "cachetune", "cacheblend", "full_reuse")
+POLICIES = (
+    "full_recompute",
+    "daric",
+    "epic",
+    "cachetune",
+    "cacheblend",
+    "full_reuse",
+    "query_aware",
+)
 TOP = 20
 
 
@@ -100,6 +108,12 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=3)
     ap.add_argument("--passages", type=int, default=4)
     ap.add_argument("--passage-tokens", type=int, default=200)
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-5,
+        help="largest top-20 prefill logprob difference allowed between the trees",
+    )
     add_server_args_option(ap)
     add_out_option(ap, "compare_paths.json")
     args = ap.parse_args()
@@ -141,13 +155,14 @@ def main() -> None:
         "requests": len(records),
         "tokens_equal": sum(r["tokens_equal"] for r in records),
         "max_top_logprob_abs_diff": worst,
-        "within_1e-4": sum(r["top_logprob_max_abs_diff"] <= 1e-4 for r in records),
+        "tolerance": args.tolerance,
+        "within_tolerance": sum(r["top_logprob_max_abs_diff"] <= args.tolerance for r in records),
         "records": records,
     }
     write_json(args.out, report, indent=2, newline=True)
     print(json.dumps({k: v for k, v in report.items() if k != "records"}, indent=2))
-    if report["tokens_equal"] != len(records) or worst > 1e-4:
-        sys.exit("outputs differ between the two trees beyond 1e-4")
+    if report["tokens_equal"] != len(records) or worst > args.tolerance:
+        sys.exit(f"outputs differ between the two trees beyond {args.tolerance:g}")
 
 
 if __name__ == "__main__":
