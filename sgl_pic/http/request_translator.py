@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sgl_pic.config import PicConfig
-from sgl_pic.http.chat_chunks import chat_options, chat_prompt, has_chat_marks
+from sgl_pic.http.chat_chunks import chat_prompt
+from sgl_pic.http.chat_options import chat_options, has_chat_marks
 from sgl_pic.http.chat_render import ChatTemplate, server_template_defaults
 from sgl_pic.http.prompt_tokens import PromptTokens
 from sgl_pic.http.spans import (
