@@ -62,18 +62,11 @@ from sgl_pic.store.errors import (
     StoreError,
 )
 from sgl_pic.store.eviction import BoundedStore, check_policy
-from sgl_pic.store.format import (
-    SUFFIX,
-    TMP_PREFIX,
-    RecordFile,
-    RecordHeader,
-    WriteCancelled,
-    encode_record,
-    file_name,
-    read_header,
-    write_record,
-)
 from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
+from sgl_pic.store.record_encode import encode_record
+from sgl_pic.store.record_header import SUFFIX, RecordHeader, file_name
+from sgl_pic.store.record_read import RecordFile, read_header
+from sgl_pic.store.record_write import TMP_PREFIX, WriteCancelled, write_record
 
 
 @dataclass(frozen=True)

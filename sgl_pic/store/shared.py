@@ -64,13 +64,6 @@ from sgl_pic.store.errors import (
     TruncatedRecordError,
     UnsupportedFormatError,
 )
-from sgl_pic.store.format import (
-    PREFIX_BYTES,
-    RecordHeader,
-    _check_expectations,
-    _parse_header,
-    encode_record,
-)
 from sgl_pic.store.host import WriteBack, WriteBackConfig, WriteBackStats
 from sgl_pic.store.object_backend import (
     BackendError,
@@ -79,6 +72,13 @@ from sgl_pic.store.object_backend import (
     PutOutcome,
     StoreAddress,
     make_backend,
+)
+from sgl_pic.store.record_encode import encode_record
+from sgl_pic.store.record_header import (
+    PREFIX_BYTES,
+    RecordHeader,
+    check_expectations,
+    parse_header,
 )
 from sgl_pic.store.shared_backfill import Backfill
 from sgl_pic.store.shared_deletion import Known, SharedDeletions
@@ -219,7 +219,7 @@ class SharedStore(ChunkStore):
                 if header is None:
                     return None
             try:
-                _check_expectations(header, self.model_digest, key, token_ids)
+                check_expectations(header, self.model_digest, key, token_ids)
                 if self.layout is not None:
                     self.layout.check_header(header)
             except StoreError as exc:  # other tokens, another key, or another KV layout
@@ -265,7 +265,7 @@ class SharedStore(ChunkStore):
                 raise TruncatedRecordError("object vanished while its header was read")
             return more.tobytes()
 
-        return _parse_header(head[:PREFIX_BYTES], body, size, self.model_digest)
+        return parse_header(head[:PREFIX_BYTES], body, size, self.model_digest)
 
     def peek_ranking(
         self, key: str, token_ids: Sequence[int] | None = None

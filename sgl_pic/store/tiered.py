@@ -39,7 +39,6 @@ from sgl_pic.store.base import (
 from sgl_pic.store.deletion import DeleteReport, Deletion
 from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
-from sgl_pic.store.format import WriteCancelled
 from sgl_pic.store.host import (
     HostStore,
     HostStoreConfig,
@@ -47,6 +46,7 @@ from sgl_pic.store.host import (
     WriteBackConfig,
     WriteBackStats,
 )
+from sgl_pic.store.record_write import WriteCancelled
 from sgl_pic.store.shared import SharedStore
 
 Tier = Literal["device", "host", "disk", "shared"]

@@ -57,9 +57,9 @@ class FakeDisk:
         def statvfs(path):
             return types.SimpleNamespace(f_bavail=max(0, self.limit - self.used()), f_frsize=1)
 
-        monkeypatch.setattr(fmt.os, "open", open_)
-        monkeypatch.setattr(fmt.os, "write", write)
-        monkeypatch.setattr(fmt.os, "close", close)
+        monkeypatch.setattr(os, "open", open_)
+        monkeypatch.setattr(os, "write", write)
+        monkeypatch.setattr(os, "close", close)
         monkeypatch.setattr(disk_mod.os, "statvfs", statvfs)
 
 
