@@ -48,6 +48,7 @@ from sgl_pic.store.base import (
     hash_token_ids,
     register_store,
 )
+from sgl_pic.store.bounded import BoundedStore
 from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.disk_files import (
     FULL,
@@ -61,7 +62,7 @@ from sgl_pic.store.errors import (
     RecordShapeError,
     StoreError,
 )
-from sgl_pic.store.eviction import BoundedStore, check_policy
+from sgl_pic.store.eviction import check_policy
 from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
 from sgl_pic.store.record_encode import encode_record
 from sgl_pic.store.record_header import SUFFIX, RecordHeader, file_name
