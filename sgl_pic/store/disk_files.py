@@ -1,6 +1,7 @@
 """What the disk tier does with files that are not sound records: which error kind each
-bad file counts as and whether it is deleted, how a bad path is removed without following
-it anywhere, and which leftover temp files of killed writers may go."""
+bad file or failed read counts as and whether the file is deleted, how a bad path is
+removed without following it anywhere, and which leftover temp files of killed writers
+may go. Counts go into the caller's error counter (the caller holds its lock)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections import Counter
 from pathlib import Path
 
 from sgl_pic.store.errors import (
@@ -97,3 +99,28 @@ def _writer_is_gone(owner: TmpOwner) -> bool:
     except OSError:
         return False  # e.g. EPERM: the process exists under another user
     return False
+
+
+def count_bad(exc: StoreError, path: Path, errors: Counter[str]) -> None:
+    """Counts a bad record file in ``errors`` by its kind and removes it when that kind
+    is deleted (``BAD_FILE``); a failed removal counts as "unlink_error"."""
+    kind, delete = bad_file_kind(exc)
+    errors[kind] += 1
+    if delete and not remove_bad(path):
+        errors["unlink_error"] += 1
+
+
+def count_failed_read(exc: Exception, path: Path, errors: Counter[str]) -> None:
+    """Counts a read of the file at ``path`` that failed with ``exc``: "vanished" when it
+    is gone, its bad-file kind for a ``StoreError`` (``count_bad``), else "unreadable"
+    (an I/O error, or a file emptied under its mmap), and then the file goes too: its
+    index entry is dropped, and left there it would hold disk space no accounting sees
+    and no eviction frees, until a restart."""
+    if isinstance(exc, FileNotFoundError):
+        errors["vanished"] += 1
+    elif isinstance(exc, StoreError):
+        count_bad(exc, path, errors)
+    else:
+        errors["unreadable"] += 1
+        if not remove_bad(path):
+            errors["unlink_error"] += 1
