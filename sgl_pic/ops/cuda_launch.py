@@ -10,6 +10,8 @@ the worker side, inside a forward, only once ``cuda.prepare`` loaded the library
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -17,8 +19,11 @@ from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan
 
 MAX_HEAD_DIM = 1024  # kMaxHeadDim in kernels/rope.cu
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_LAYOUT_CODES = {"neox": 0, "interleaved": 1}
+# Read-only: the codes of kernels/sgl_pic_kernels.h.
+_DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(
+    {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+)
+_LAYOUT_CODES: Mapping[str, int] = MappingProxyType({"neox": 0, "interleaved": 1})
 
 
 class KernelError(RuntimeError):

@@ -10,7 +10,9 @@ import errno
 import os
 import stat
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from sgl_pic.store.errors import (
     BadMagicError,
@@ -37,18 +39,20 @@ FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 # (error kind in stats, delete the file?). Foreign and newer files may belong to another
 # model or a newer binary sharing the directory, so they are skipped, not deleted. The
 # first matching class counts, so subclasses come before their bases.
-BAD_FILE: dict[type[StoreError], tuple[str, bool]] = {
-    NotRegularFileError: ("not_regular", True),
-    # Our model's fingerprint, yet not our pool's KV layout: no server of this fingerprint
-    # can use it, so it goes (its key stays free for the recomputed chunk).
-    LayoutMismatchError: ("layout_mismatch", True),
-    BadMagicError: ("corrupt", True),
-    CorruptRecordError: ("corrupt", True),
-    TruncatedRecordError: ("truncated", True),
-    TokenMismatchError: ("token_mismatch", True),
-    ForeignModelError: ("foreign_model", False),
-    UnsupportedFormatError: ("newer_format", False),
-}
+BAD_FILE: Mapping[type[StoreError], tuple[str, bool]] = MappingProxyType(
+    {
+        NotRegularFileError: ("not_regular", True),
+        # Our model's fingerprint, yet not our pool's KV layout: no server of this fingerprint
+        # can use it, so it goes (its key stays free for the recomputed chunk).
+        LayoutMismatchError: ("layout_mismatch", True),
+        BadMagicError: ("corrupt", True),
+        CorruptRecordError: ("corrupt", True),
+        TruncatedRecordError: ("truncated", True),
+        TokenMismatchError: ("token_mismatch", True),
+        ForeignModelError: ("foreign_model", False),
+        UnsupportedFormatError: ("newer_format", False),
+    }
+)
 
 
 def bad_file_kind(exc: StoreError) -> tuple[str, bool]:
