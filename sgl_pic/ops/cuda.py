@@ -13,7 +13,9 @@ run the torch reference and never try the kernels again.
 The library takes raw pointers: launchers pass ``tensor.data_ptr()`` and the current
 torch stream, so kernels are ordered with the surrounding torch work. It links CUDA's
 runtime statically; both runtimes share the device's primary context, which is what
-makes torch's pointers and streams valid in it.
+makes torch's pointers and streams valid in it. The launchers are
+``sgl_pic.ops.cuda_launch``, the launch test ``sgl_pic.ops.cuda_selftest``; this module
+owns what the process keeps about the kernels (``_Kernels``).
 """
 
 from __future__ import annotations
@@ -26,23 +28,23 @@ from typing import NamedTuple
 
 import torch
 
-from sgl_pic.ops import reference
 from sgl_pic.ops.cuda_build import DEFAULT_CACHE_DIR as DEFAULT_CACHE_DIR
 from sgl_pic.ops.cuda_build import KERNEL_DIR as KERNEL_DIR
 from sgl_pic.ops.cuda_build import build_library as build_library
 from sgl_pic.ops.cuda_build import find_nvcc as find_nvcc
 from sgl_pic.ops.cuda_build import nvcc_flags as nvcc_flags
-from sgl_pic.ops.validate import CopyPlan, Layers, RopePlan, layers_of, plan_gather, plan_rope
-from sgl_pic.rope import default_inv_freq
+from sgl_pic.ops.cuda_launch import MAX_HEAD_DIM as MAX_HEAD_DIM
+from sgl_pic.ops.cuda_launch import KernelError as KernelError
+from sgl_pic.ops.cuda_launch import PointerTables, launch_copy, launch_rope
+from sgl_pic.ops.cuda_launch import can_copy as can_copy
+from sgl_pic.ops.cuda_launch import can_rope as can_rope
+from sgl_pic.ops.cuda_selftest import launch_test as launch_test
+from sgl_pic.ops.validate import CopyPlan, RopePlan
 
 logger = logging.getLogger(__name__)
 
 
 ABI_VERSION = 1  # PIC_ABI_VERSION in kernels/sgl_pic_kernels.h
-MAX_HEAD_DIM = 1024  # kMaxHeadDim in kernels/rope.cu
-
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_LAYOUT_CODES = {"neox": 0, "interleaved": 1}
 
 
 class CudaStatus(NamedTuple):
@@ -53,21 +55,24 @@ class CudaStatus(NamedTuple):
     reason: str
 
 
-class KernelError(RuntimeError):
-    """The kernels cannot run: unavailable, or a launch returned an error (which marks
-    them unavailable for the rest of the process)."""
-
-
 class _Kernels:
     """The process's kernel library: its status, the loaded library and the devices its
-    launch test passed on. Changed only under ``lock``, by ``prepare``, ``load`` and a
-    failed launch."""
+    launch test passed on (changed only under ``lock``, by ``prepare``, ``load`` and a
+    failed launch); the pointer tables its launchers reuse; the fallback warnings the
+    ops already logged (``warn_once``).
+
+    One per process, by design: the library is loaded into the process (ctypes), its
+    status is a fact of the process's GPUs, and ops run in hot paths that hold no
+    handle to pass it down. Everything the kernels keep is here, so a test replaces it
+    whole."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.lib: ctypes.CDLL | None = None
         self.status: CudaStatus | None = None  # None until prepared
         self.tested: set[torch.device] = set()
+        self.tables = PointerTables()
+        self.warned: set[str] = set()
 
 
 _KERNELS = _Kernels()
@@ -220,109 +225,13 @@ def _fail(reason: str) -> None:
             _fail_locked(state.library, reason)
 
 
-def launch_test(lib: ctypes.CDLL, device: torch.device) -> None:
-    """Runs each kernel of ``lib`` once on ``device`` on a few rows (copies into a stacked
-    buffer and into per-layer tensors; deferred RoPE and re-rotation, one per layout) and
-    compares with the torch reference. Raises KernelError for a launch error or a wrong
-    result (torch's own error for a fault found at the sync). Changes nothing outside
-    its own tensors; takes a few milliseconds."""
-    g = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
-
-    src = rand(2, 8, 2, 64, dtype=torch.bfloat16)  # [num_layers, rows, heads, head_dim]
-    pool = rand(2, 16, 2, 64, dtype=torch.bfloat16)
-    tokens = torch.tensor([5, 0, 7], device=device)
-    slots = torch.tensor([3, 15, 8], device=device)
-    for name, dst in (("stacked", pool.clone()), ("per-layer", list(pool.clone().unbind(0)))):
-        want = pool.clone()
-        reference.run_copy(plan_gather(src, tokens, want, slots))
-        _launch_copy(lib, plan_gather(src, tokens, dst, slots))
-        torch.cuda.synchronize(device)
-        got = dst if isinstance(dst, torch.Tensor) else torch.stack(dst)
-        if not torch.equal(got, want):
-            raise KernelError(f"pic_copy_rows ({name}) disagrees with the torch reference")
-
-    keys = rand(2, 16, 2, 64, dtype=torch.float32)
-    inv_freq = default_inv_freq(64, 1e4, device=device)
-    positions = torch.tensor([3, 70000, 9], device=device)
-    old = torch.tensor([100, 2, 9], device=device)
-    for layout, old_positions, scale in (("neox", None, 0.9), ("interleaved", old, 1.0)):
-        want, got = keys.clone(), keys.clone()
-        for out, run in ((want, reference.run_rope), (got, lambda p: _launch_rope(lib, p))):
-            target = layers_of(out, "keys")
-            run(plan_rope(target, positions, old_positions, inv_freq, layout, scale, slots))
-        torch.cuda.synchronize(device)
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-            raise KernelError(f"pic_rope_rows ({layout}) disagrees with the torch reference")
-
-
-def _alignment(*values: int) -> int:
-    """Largest power of two <= 16 dividing every value (addresses and strides)."""
-    align = 16
-    for v in values:
-        if v:
-            align = min(align, v & -v)
-    return align
-
-
-_ptr_tables: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
-
-
-def _layer_addressing(layers: Layers) -> tuple[int, int, int, list[int]]:
-    """(base address, layer stride in bytes, pointer-table address or 0, all addresses
-    for alignment). Separate per-layer tensors go through a device table of their
-    addresses, cached because a KV pool keeps the same tensors for its whole life."""
-    ptrs = [v.data_ptr() for v in layers.views]
-    if layers.stacked is not None:
-        stride = layers.stacked.stride(0) * layers.stacked.element_size()
-        return ptrs[0], stride, 0, [ptrs[0], stride]
-    key = (layers.device, tuple(ptrs))
-    table = _ptr_tables.get(key)
-    if table is None:
-        if len(_ptr_tables) >= 64:
-            _ptr_tables.clear()
-        table = torch.tensor(ptrs, dtype=torch.int64, device=layers.device)
-        _ptr_tables[key] = table
-    return 0, 0, table.data_ptr(), ptrs
-
-
-def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
-    if code != 0:
-        raise KernelError(f"{what}: {lib.pic_error_string(code).decode()} (code {code})")
-
-
-def can_copy(plan: CopyPlan) -> bool:
-    """True when the kernel can read the source: on the device, or pinned host memory
-    (which the GPU reads directly)."""
-    src_device = plan.src.device
-    if plan.dst.device.type != "cuda":
-        return False
-    if src_device == plan.dst.device:
-        return True
-    return src_device.type == "cpu" and plan.src.views[0].is_pinned()
-
-
-def can_rope(plan: RopePlan) -> bool:
-    """True for CUDA targets the kernel handles: head_dim up to MAX_HEAD_DIM, and (for
-    the interleaved layout) every address aligned to a pair of elements."""
-    target = plan.target
-    _, head_dim = target.row_shape
-    if target.device.type != "cuda" or head_dim > MAX_HEAD_DIM:
-        return False
-    addresses = [v.data_ptr() for v in target.views]
-    pair = 2 * target.views[0].element_size() if plan.layout == "interleaved" else 1
-    return _alignment(*addresses) >= min(pair, 16)
-
-
 def run_copy(plan: CopyPlan) -> None:
     """Executes a validated copy plan (``can_copy(plan)``) on the current stream.
     KernelError when the kernels are unavailable or the launch fails (which marks them
     unavailable); the destination is then unchanged."""
     lib = require()
     try:
-        _launch_copy(lib, plan)
+        launch_copy(lib, plan, _KERNELS.tables)
     except KernelError as exc:
         _fail(str(exc))
         raise
@@ -333,73 +242,16 @@ def run_rope(plan: RopePlan) -> None:
     ``run_copy``."""
     lib = require()
     try:
-        _launch_rope(lib, plan)
+        launch_rope(lib, plan, _KERNELS.tables)
     except KernelError as exc:
         _fail(str(exc))
         raise
 
 
-def _launch_copy(lib: ctypes.CDLL, plan: CopyPlan) -> None:
-    n = plan.dst_ids.numel()
-    if n == 0:
-        return
-    src = plan.src
-    if src.stacked is None:  # validate builds sources from one tensor; keep that true
-        raise ValueError("the source of a copy must be one stacked tensor")
-    src_base = src.views[0].data_ptr()
-    src_stride = src.stacked.stride(0) * src.stacked.element_size()
-    dst_base, dst_stride, dst_table, dst_ptrs = _layer_addressing(plan.dst)
-    heads, head_dim = plan.dst.row_shape
-    row_bytes = heads * head_dim * plan.dst.views[0].element_size()
-    device = plan.dst.device
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
-        code = lib.pic_copy_rows(
-            src_base,
-            src_stride,
-            src.num_rows,
-            0 if plan.src_ids is None else plan.src_ids.data_ptr(),
-            dst_base,
-            dst_stride,
-            dst_table,
-            plan.dst.num_rows,
-            plan.dst_ids.data_ptr(),
-            n,
-            plan.dst.num_layers,
-            row_bytes,
-            _alignment(src_base, src_stride, dst_stride, *dst_ptrs),
-            stream,
-        )
-    _check(lib, code, "pic_copy_rows")
-
-
-def _launch_rope(lib: ctypes.CDLL, plan: RopePlan) -> None:
-    n = plan.positions.numel()
-    if n == 0:
-        return
-    target = plan.target
-    base, stride, table, ptrs = _layer_addressing(target)
-    heads, head_dim = target.row_shape
-    device = target.device
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
-        code = lib.pic_rope_rows(
-            base,
-            stride,
-            table,
-            target.num_layers,
-            target.num_rows,
-            0 if plan.row_ids is None else plan.row_ids.data_ptr(),
-            n,
-            plan.positions.data_ptr(),
-            0 if plan.old_positions is None else plan.old_positions.data_ptr(),
-            plan.inv_freq.data_ptr(),
-            heads,
-            head_dim,
-            _DTYPE_CODES[target.dtype],
-            _LAYOUT_CODES[plan.layout],
-            plan.scale,
-            _alignment(*ptrs, stride),
-            stream,
-        )
-    _check(lib, code, "pic_rope_rows")
+def warn_once(message: str) -> None:
+    """Logs ``message`` as a warning the first time this process sees it (a fallback to
+    torch is correct but slow; say so once per cause, not once per layer)."""
+    warned = _KERNELS.warned
+    if message not in warned:
+        warned.add(message)
+        logger.warning(message)

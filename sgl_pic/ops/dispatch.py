@@ -11,27 +11,15 @@ by the reference instead; later ops go straight to the reference.
 
 from __future__ import annotations
 
-import logging
-
 from sgl_pic.ops import cuda, reference
 from sgl_pic.ops.kvops import Backend, KVOps, OpResult
 from sgl_pic.ops.validate import CopyPlan, RopePlan
-
-logger = logging.getLogger(__name__)
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    # Falling back is correct but slow; say so once per cause, not once per layer.
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
 
 
 def _kernels_ready() -> bool:
     state = cuda.status()  # reads the recorded status: never builds inside a forward
     if not state.available:
-        _warn_once(
+        cuda.warn_once(
             f"sgl_pic.ops: CUDA kernels unavailable, GPU KV ops run in torch: {state.reason}"
         )
     return state.available
@@ -41,7 +29,7 @@ def copy_backend(plan: CopyPlan) -> Backend:
     """The backend a validated copy plan runs on."""
     if not cuda.can_copy(plan):  # a CPU destination, or a source the GPU cannot read
         if plan.dst.device.type == "cuda" and _kernels_ready():
-            _warn_once("sgl_pic.ops: source on unpinned host memory; gathering through torch")
+            cuda.warn_once("sgl_pic.ops: source on unpinned host memory; gathering through torch")
         return "reference"
     return "cuda" if _kernels_ready() else "reference"
 

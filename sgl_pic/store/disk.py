@@ -23,15 +23,21 @@ its eviction lowers the capacity again, so the tier converges on what the disk c
 The capacity grows back towards the configured one when ``os.statvfs`` reports free
 space again: checked by a put at most every ``regrow_interval_s`` seconds while lowered,
 and by half the free space each time (the rest is left to other writers, ours in flight
-among them). ``stats().capacity_bytes`` is the effective capacity.
+among them: ``disk_capacity``). ``stats().capacity_bytes`` is the effective capacity.
+
+Where the parts live: the start-up scan ``disk_scan``, bad files and failed reads
+``disk_files``, the capacity after a full disk ``disk_capacity``, the file format
+``record_*`` (``format``), the index and eviction ``bounded``. ``DiskStore`` stays over
+250 lines: each of its reads and writes pairs a step on the index, under the index's lock,
+with a file step outside it (access, read, forget on failure; reserve, write, then index
+or drop), so both halves share the lock and the index's state; split into two classes,
+one would take the other's lock and private state.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,32 +54,21 @@ from sgl_pic.store.base import (
     hash_token_ids,
     register_store,
 )
+from sgl_pic.store.bounded import BoundedStore
 from sgl_pic.store.deletion_log import DeletionLog
-from sgl_pic.store.disk_files import (
-    FULL,
-    NO_SPACE,
-    bad_file_kind,
-    remove_bad,
-    remove_stale_tmp,
-)
+from sgl_pic.store.disk_capacity import CapacityRegrowth
+from sgl_pic.store.disk_files import FULL, NO_SPACE, count_failed_read
+from sgl_pic.store.disk_scan import scan_root
 from sgl_pic.store.errors import (
-    CorruptRecordError,
     RecordShapeError,
     StoreError,
 )
-from sgl_pic.store.eviction import BoundedStore, check_policy
-from sgl_pic.store.format import (
-    SUFFIX,
-    TMP_PREFIX,
-    RecordFile,
-    RecordHeader,
-    WriteCancelled,
-    encode_record,
-    file_name,
-    read_header,
-    write_record,
-)
+from sgl_pic.store.eviction import check_policy
 from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
+from sgl_pic.store.record_encode import encode_record
+from sgl_pic.store.record_header import RecordHeader, file_name
+from sgl_pic.store.record_read import RecordFile, read_header
+from sgl_pic.store.record_write import WriteCancelled, write_record
 
 
 @dataclass(frozen=True)
@@ -120,12 +115,8 @@ class DiskStore(BoundedStore):
     Error kinds in ``stats().errors`` besides the bad-file ones (among them "not_regular":
     a FIFO, socket, device, directory or symlink at a record's path): "write_error",
     "enospc", "unlink_error", "unreadable", "vanished", and "leftover_tmp" (a temp file of
-    a killed writer, removed at start-up).
-
-    A write failing with ENOSPC or EDQUOT lowers the effective capacity (the one
-    ``stats().capacity_bytes`` reports) to the bytes held and reserved, so later puts
-    evict to make room; it grows back, at most to ``config.capacity_bytes``, as
-    ``os.statvfs`` reports free space (see the module docstring)."""
+    a killed writer, removed at start-up). A full disk lowers ``stats().capacity_bytes``
+    (see the module docstring)."""
 
     name: ClassVar[str] = "disk"
     # How often, at most, a put asks the file system for free space while the capacity
@@ -162,8 +153,7 @@ class DiskStore(BoundedStore):
         self._pending_ns: dict[str, str] = {}  # their namespaces, for the caps
         # Set by abort_writes (shutdown): writes in flight stop, later ones are refused.
         self._abort = threading.Event()
-        # time.monotonic() before which the lowered capacity is not checked for regrowth.
-        self._regrow_at = 0.0
+        self._regrowth = CapacityRegrowth(self.root, config.capacity_bytes, self.regrow_interval_s)
         self._rebuild_index()
         self.at_rest = LooseModes(
             self._root_mode if is_loose(self._root_mode) else None, self._loose_records
@@ -176,48 +166,12 @@ class DiskStore(BoundedStore):
         return self.root / name[:2] / name
 
     def _rebuild_index(self) -> None:
-        # Headers hold each record's namespace and token ids' digest: the index gets
-        # both, so deletions and caps work on records of earlier runs too.
-        found: list[tuple[float, str, int, str, str]] = []
-        now = time.time()
-        for sub in sorted(self.root.iterdir()):
-            # Never through a link: a bad file found there would be deleted in its target.
-            if sub.is_symlink() or not sub.is_dir() or len(sub.name) != 2:
-                continue
-            try:
-                entries = sorted(sub.iterdir())
-            except OSError:
-                # An unlistable subdirectory (e.g. no permission) holds nothing we can
-                # serve; the store starts without it rather than not at all.
-                self._errors["unreadable"] += 1
-                continue
-            for path in entries:
-                if path.name.startswith(TMP_PREFIX):
-                    self._remove_stale_tmp(path, now)
-                    continue
-                if not path.name.endswith(SUFFIX):
-                    continue
-                try:
-                    # Every record file's mode counts, this server's or not (an older
-                    # version's, another model's): each holds prompt tokens. lstat: never
-                    # a link's target.
-                    st = os.lstat(path)
-                    self._loose_records += stat.S_ISREG(st.st_mode) and is_loose(st.st_mode)
-                    header = self._checked(read_header(path, self.model_digest))
-                    if path.name != file_name(header.key) or sub.name != path.name[:2]:
-                        raise CorruptRecordError(f"{path.name} holds key {header.key[:12]}")
-                except StoreError as exc:
-                    self._count_bad(exc, path)
-                    continue
-                except OSError:
-                    self._errors["unreadable"] += 1
-                    continue
-                found.append(
-                    (st.st_mtime, header.key, st.st_size, header.namespace, header.token_ids_hash)
-                )
-        # Oldest files first, so recency order survives a restart approximately.
-        for mtime, key, size, namespace, content in sorted(found):
-            self._add_locked(key, size, mtime, namespace, content)
+        scan = scan_root(
+            self.root, self.model_digest, self.layout, self.config.stale_tmp_seconds, self._errors
+        )
+        self._loose_records = scan.loose_records
+        for found in scan.found:  # oldest first, so recency order survives a restart
+            self._add_locked(found.key, found.size, found.mtime, found.namespace, found.content)
         if self._used > self._capacity:
             self._delete_files(self._evict_locked(self._used - self._capacity))
 
@@ -226,20 +180,6 @@ class DiskStore(BoundedStore):
         if self.layout is not None:
             self.layout.check_header(header)
         return header
-
-    def _remove_stale_tmp(self, path: Path, now: float) -> None:
-        if remove_stale_tmp(path, now, self.config.stale_tmp_seconds):
-            self._errors["leftover_tmp"] += 1
-
-    def _count_bad(self, exc: StoreError, path: Path) -> None:
-        kind, delete = bad_file_kind(exc)
-        self._errors[kind] += 1
-        if delete:
-            self._remove_bad(path)
-
-    def _remove_bad(self, path: Path) -> None:
-        if not remove_bad(path):
-            self._errors["unlink_error"] += 1
 
     def _begin_read(self, key: str) -> Path | None:
         check_key(key)
@@ -255,16 +195,7 @@ class DiskStore(BoundedStore):
             self._forget_locked(key)
             if miss:
                 self._counts["misses"] += 1
-            if isinstance(exc, FileNotFoundError):
-                self._errors["vanished"] += 1
-            elif isinstance(exc, StoreError):
-                self._count_bad(exc, path)
-            else:
-                # An I/O error (EIO, EACCES, ...) or a file emptied under its mmap. The
-                # entry is gone, so the file goes too: left there it would hold disk
-                # space no accounting sees and no eviction frees, until a restart.
-                self._errors["unreadable"] += 1
-                self._remove_bad(path)
+            count_failed_read(exc, path, self._errors)
 
     def peek_header(self, key: str, token_ids: Sequence[int] | None = None) -> RecordHeader | None:
         """The file's checked header (model, key, tokens), without counting an access or
@@ -424,34 +355,24 @@ class DiskStore(BoundedStore):
                     self._lower_capacity_locked()
         return err is None
 
+    def _held_locked(self) -> int:
+        """Bytes held and reserved by writes in flight."""
+        return self._used + sum(self._pending.values())
+
     def _lower_capacity_locked(self) -> None:
-        """The disk is full: hold no more than is held now (with the writes still in
-        flight, whose reservations already fit), so the next put evicts by the policy
-        to make room. Nothing is evicted here: the failed record is not retried, and
-        whether a later one needs the room is that put's to decide."""
-        self._capacity = min(self._capacity, self._used + sum(self._pending.values()))
-        self._regrow_at = time.monotonic() + self.regrow_interval_s
+        """The disk is full: hold no more than is held now (``CapacityRegrowth.lowered``)."""
+        self._capacity = self._regrowth.lowered(self._capacity, self._held_locked())
 
     def _maybe_regrow(self) -> None:
-        """Let a lowered capacity grow back by half the free space the file system
-        reports, at most to the configured one; at most once per ``regrow_interval_s``.
-        Half, since the free space is shared (with other writers and with our writes in
-        flight, which may already have taken part of it): repeated checks approach the
-        disk's size without overshooting it; an overshoot (someone else filled it) only
-        costs one failed write that lowers the capacity again."""
-        now = time.monotonic()
+        """Let a lowered capacity grow back (``CapacityRegrowth``)."""
         with self._lock:
-            if self._capacity >= self.config.capacity_bytes or now < self._regrow_at:
+            if not self._regrowth.due(self._capacity):
                 return
-            self._regrow_at = now + self.regrow_interval_s
-        try:
-            st = os.statvfs(self.root)
-        except (OSError, AttributeError):  # AttributeError: no statvfs on this platform
+        free = self._regrowth.free_bytes()
+        if free is None:
             return
-        free = st.f_bavail * st.f_frsize
         with self._lock:
-            grown = self._used + sum(self._pending.values()) + free // 2
-            self._capacity = min(self.config.capacity_bytes, max(self._capacity, grown))
+            self._capacity = self._regrowth.grown(self._capacity, self._held_locked(), free)
 
     def _delete_files(self, evicted: list[tuple[str, int]], locked: bool = False) -> None:
         # Unlinking is safe under open readers: their mmap keeps the inode alive.

@@ -20,8 +20,9 @@ from sgl_pic.store.base import (
     normalize_indices,
     register_store,
 )
+from sgl_pic.store.bounded import BoundedStore
 from sgl_pic.store.deletion_log import DeletionLog
-from sgl_pic.store.eviction import BoundedStore, check_policy
+from sgl_pic.store.eviction import check_policy
 from sgl_pic.store.write_back import DrainResult, WriteBack, WriteBackConfig, WriteBackStats
 
 WRITE_BACK_MODES: tuple[str, ...] = ("on_put", "on_evict")

@@ -16,9 +16,10 @@ from __future__ import annotations
 import socket
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
@@ -257,7 +258,9 @@ class MooncakeBackend(ObjectBackend):
             client.close()
 
 
-BACKENDS: dict[str, type[ObjectBackend]] = {MooncakeBackend.scheme: MooncakeBackend}
+BACKENDS: Mapping[str, type[ObjectBackend]] = MappingProxyType(
+    {MooncakeBackend.scheme: MooncakeBackend}
+)
 
 
 def make_backend(url: str) -> ObjectBackend:

@@ -10,8 +10,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from sgl_pic.store.base import ChunkKV, hash_token_ids
-from sgl_pic.store.format import encode_record
 from sgl_pic.store.object_backend import BackendError, BackendUnavailable, PutOutcome
+from sgl_pic.store.record_encode import encode_record
 from sgl_pic.store.shared_deletion import SharedDeletions
 from sgl_pic.store.store_link import StoreLink
 

@@ -10,6 +10,9 @@ Deletion (``delete``) reaches every tier at once; the tiers share one ``Deletion
 work queued before a deletion (write-back to disk, promotions, shared writes, backfill)
 drops what it matches when it runs instead of bringing it back.
 
+Background promotion is ``tier_promotion``, the bounded stop at exit ``tier_shutdown``,
+the summed stats ``tier_stats``.
+
 The device (GPU) tier belongs to the SGLang integration: it demotes by calling ``put``
 with a record copied to the host, and may report residency through ``DeviceTier`` so
 ``locate`` can say where a chunk lives.
@@ -18,10 +21,8 @@ with a record copied to the host, and may report residency through ``DeviceTier`
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import ClassVar, Literal, NamedTuple, Protocol
 
 import torch
@@ -39,7 +40,6 @@ from sgl_pic.store.base import (
 from sgl_pic.store.deletion import DeleteReport, Deletion
 from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.disk import DiskStore, DiskStoreConfig
-from sgl_pic.store.format import WriteCancelled
 from sgl_pic.store.host import (
     HostStore,
     HostStoreConfig,
@@ -47,7 +47,12 @@ from sgl_pic.store.host import (
     WriteBackConfig,
     WriteBackStats,
 )
+from sgl_pic.store.record_write import WriteCancelled
 from sgl_pic.store.shared import SharedStore
+from sgl_pic.store.tier_promotion import Promotions
+from sgl_pic.store.tier_shutdown import ShutdownReport as ShutdownReport
+from sgl_pic.store.tier_shutdown import shutdown_tiers
+from sgl_pic.store.tier_stats import sum_tier_stats
 
 Tier = Literal["device", "host", "disk", "shared"]
 
@@ -56,26 +61,6 @@ class RankingPeek(NamedTuple):
     """ranking: # [num_tokens] the record's CacheTune ranking, or None if it has none."""
 
     ranking: torch.Tensor | None
-
-
-class ShutdownReport(NamedTuple):
-    """What ``TieredStore.shutdown`` did with the disk writes queued when it began.
-
-    completed:  written (or found unnecessary) before the deadline.
-    failed:     ran and failed (I/O error, e.g. ENOSPC; counted in the disk's errors).
-    dropped:    never run, or stopped before their rename: no file, no temp file.
-    promotions_dropped: queued promotions (disk -> host reads) skipped.
-    joined:     the writer and promoter threads have ended.
-    seconds:    time the shutdown took.
-    """
-
-    completed: int
-    failed: int
-    dropped: int
-    promotions_dropped: int
-    joined: bool
-    seconds: float
-    shared_dropped: int = 0  # queued writes to the shared tier not run
 
 
 class DeviceTier(Protocol):
@@ -152,8 +137,7 @@ class TieredStore(ChunkStore):
             shared.set_backfill_source(self._local_record)
             shared.set_deletions(self.deletions)
         self._promoter = WriteBack(WriteBackConfig(config.promotion_queue), "sgl-pic-promote")
-        self._promoting: set[str] = set()
-        self._lock = threading.Lock()
+        self._promotions = Promotions(self._promoter, self.host, self.disk, shared, self.deletions)
 
     def _local_record(self, key: str) -> ChunkKV | None:
         """The record from host memory or disk, counting no access (the shared tier's
@@ -228,32 +212,8 @@ class TieredStore(ChunkStore):
         if part is None and self.shared is not None:
             part = self.shared.get_layers(key, layers, token_indices, token_ids)
         if part is not None and self.config.promote_on_get_layers:
-            self._queue_promotion(key, token_ids)
+            self._promotions.queue(key, token_ids)
         return part
-
-    def _queue_promotion(self, key: str, token_ids: Sequence[int] | None) -> None:
-        with self._lock:
-            if key in self._promoting:
-                return
-            self._promoting.add(key)
-        since = self.deletions.seq
-
-        def promote() -> None:
-            try:
-                if not self.host.contains(key):
-                    record = self.disk.get(key, token_ids)
-                    if record is None and self.shared is not None:
-                        record = self.shared.get(key, token_ids)
-                    if record is not None:
-                        # Dropped if a deletion made since it was queued matches.
-                        self.host.insert(record, write_back=False, since=since)
-            finally:
-                with self._lock:
-                    self._promoting.discard(key)
-
-        if not self._promoter.submit(promote):
-            with self._lock:
-                self._promoting.discard(key)
 
     def put(self, record: ChunkKV) -> bool:
         """Held in host memory (write-back to disk follows), or, when host memory cannot
@@ -314,28 +274,8 @@ class TieredStore(ChunkStore):
     def stats(self) -> StoreStats:
         """Summed over the tiers. Errors of the shared tier are reported as
         ``shared_<kind>`` (e.g. ``shared_corrupt``), apart from the local tiers'."""
-        h, d = self.host.stats(), self.disk.stats()
-        s = self.shared.stats() if self.shared is not None else None
-        errors = dict(d.errors)
-        for kind, n in h.errors.items():
-            errors[kind] = errors.get(kind, 0) + n
-        if s is not None:
-            for kind, n in s.errors.items():
-                errors[f"shared_{kind}"] = n
-        return StoreStats(
-            entries=h.entries + d.entries,
-            bytes_used=h.bytes_used + d.bytes_used,
-            capacity_bytes=h.capacity_bytes + d.capacity_bytes,
-            # A host miss that hits on disk is one hit, not a miss and a hit.
-            hits=h.hits + d.hits + (s.hits if s else 0),
-            misses=s.misses if s else d.misses,
-            puts=h.puts + d.puts,
-            rejected_puts=h.rejected_puts + d.rejected_puts,
-            evictions=h.evictions + d.evictions,
-            evicted_bytes=h.evicted_bytes + d.evicted_bytes,
-            bytes_read=h.bytes_read + d.bytes_read + (s.bytes_read if s else 0),
-            errors=MappingProxyType(errors),
-        )
+        shared = self.shared.stats() if self.shared is not None else None
+        return sum_tier_stats(self.host.stats(), self.disk.stats(), shared)
 
     def tier_stats(self) -> dict[str, StoreStats]:
         out = {"host": self.host.stats(), "disk": self.disk.stats()}
@@ -380,31 +320,6 @@ class TieredStore(ChunkStore):
         complete and checksum-valid and no temp file of ours remains, unless a write was
         stuck inside one system call past ``join_s`` (reported as not joined; start-up
         removes such a temp file). Reads keep working. Idempotent."""
-        t0 = time.monotonic()
-        deadline = t0 + max(0.0, timeout_s)
-        promo = self._promoter.shutdown(0.0, stop=stop, join_s=min(join_s, timeout_s))
-        remaining = max(0.0, deadline - time.monotonic())
-        writes = self.host.shutdown(remaining, self.disk.abort_writes, stop, join_s)
-        self.disk.abort_writes()
-        # Local writes first: the shared tier gets what time is left (its copy is one
-        # other servers could recompute; a local file is this server's after a restart).
-        shared_dropped = (
-            0
-            if self.shared is None
-            else self.shared.shutdown(max(0.0, deadline - time.monotonic()))
-        )
-        if writes is None:
-            completed = failed = dropped = 0
-            joined = True
-        else:
-            completed, failed, dropped = writes.completed, writes.failed, writes.cancelled
-            joined = writes.joined
-        return ShutdownReport(
-            completed=completed,
-            failed=failed,
-            dropped=dropped,
-            promotions_dropped=promo.cancelled,
-            joined=joined and promo.joined,
-            seconds=time.monotonic() - t0,
-            shared_dropped=shared_dropped,
+        return shutdown_tiers(
+            self._promoter, self.host, self.disk, self.shared, timeout_s, stop, join_s
         )

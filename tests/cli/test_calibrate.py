@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_pic.cli import calibrate
-from sgl_pic.cli.calibrate import MatmulProxy, ModelShape, per_token_cost
+from sgl_pic.cli import calibrate, calibrate_tiers, calibrate_timing
+from sgl_pic.cli.calibrate_proxy import MatmulProxy, ModelShape
+from sgl_pic.cli.calibrate_timing import per_token_cost
 from sgl_pic.store.cost_model import SearchConfig
 
 
@@ -13,7 +14,7 @@ def test_per_token_cost_is_the_slope_not_the_fixed_cost(monkeypatch):
     # A clock that only ``run`` moves: real sleeps overrun by milliseconds on a loaded
     # machine, which is the whole slope here.
     now = [0.0]
-    monkeypatch.setattr(calibrate, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(calibrate_timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
 
     def run(n):
         now[0] += 0.004 + n * 2e-5  # 4 ms fixed, 20 us per token
@@ -81,12 +82,12 @@ def test_loads_run_the_server_layer_feed_into_the_pool(tmp_path):
 def test_measured_objective_times_a_threaded_feed(tmp_path, monkeypatch):
     modes = []
 
-    class Spy(calibrate.LayerFeed):
+    class Spy(calibrate_tiers.LayerFeed):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             modes.append(self.mode)
 
-    monkeypatch.setattr(calibrate, "LayerFeed", Spy)
+    monkeypatch.setattr(calibrate_tiers, "LayerFeed", Spy)
     computed = []
     res = calibrate.calibrate(
         tmp_path,

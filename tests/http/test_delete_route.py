@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from sgl_pic.config import PicConfig
 from sgl_pic.http import delete_command
 from sgl_pic.http import delete_route as delete_http
-from sgl_pic.http.middleware import PicHTTPMiddleware, RequestTranslator
+from sgl_pic.http.middleware import PicHTTPMiddleware
+from sgl_pic.http.request_translator import RequestTranslator
 from sgl_pic.http.spans import MarkSigner
 from sgl_pic.store.deletion import Deletion
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from sgl_pic.config import PicConfig
-from sgl_pic.http.middleware import CHAT_PATH as CHAT
-from sgl_pic.http.middleware import PicHTTPMiddleware, RequestTranslator
+from sgl_pic.http.middleware import PicHTTPMiddleware
+from sgl_pic.http.request_translator import RequestTranslator
+from sgl_pic.http.routes import CHAT_PATH as CHAT
 from sgl_pic.http.spans import (
     MAC_KEY,
     MarkSigner,
@@ -159,7 +160,7 @@ def test_too_many_delimited_chunks_are_refused_before_any_is_tokenized() -> None
 def test_client_bodies_with_internal_keys_or_deep_nesting_are_refused(
     body: object, needle: str
 ) -> None:
-    from sgl_pic.http.middleware import check_client_body
+    from sgl_pic.http.body_checks import check_client_body
 
     with pytest.raises(LayoutError, match=needle):
         check_client_body(body, max_depth=6)

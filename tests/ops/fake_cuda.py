@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from sgl_pic.ops import cuda, dispatch
+from sgl_pic.ops import cuda
 
 LIBRARY = Path("/nonexistent/libsgl_pic_kernels-fake.so")
 INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver: a toolkit newer than the driver
@@ -60,7 +60,6 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, lib: FakeLib | None = None) -> lis
     """Fresh kernel state and one fake GPU; ``lib`` is what loading the library opens.
     Returns the list of ``build_library`` calls (their archs), which the fake records."""
     monkeypatch.setattr(cuda, "_KERNELS", cuda._Kernels())
-    monkeypatch.setattr(dispatch, "_warned", set())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

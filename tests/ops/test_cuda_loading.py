@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from sgl_pic.ops import cuda
+from sgl_pic.ops import cuda, cuda_selftest
+from sgl_pic.ops.reference import run_copy, run_rope
 from sgl_pic.ops.validate import plan_gather
 from tests.ops.fake_cuda import (
     INSUFFICIENT_DRIVER,
@@ -111,7 +112,7 @@ def test_the_launch_test_covers_every_kernel(monkeypatch: pytest.MonkeyPatch) ->
     # it against a library whose copies are done by torch, to see the rope launch too.
     lib = FakeLib(code=0)
     fake_gpu(monkeypatch, lib)
-    monkeypatch.setattr(cuda, "_launch_copy", lambda lib_, plan: cuda.reference.run_copy(plan))
+    monkeypatch.setattr(cuda_selftest, "launch_copy", lambda lib_, plan, t: run_copy(plan))
     with pytest.raises(cuda.KernelError, match="pic_rope_rows \\(neox\\)"):
         cuda.launch_test(lib, torch.device("cpu"))
     assert lib.launches == ["rope"]
@@ -170,13 +171,13 @@ def test_the_launch_test_passes_a_right_library_and_catches_each_wrong_rope(
     # rotates interleaved keys as neox is caught there.
     lib, cpu = FakeLib(), torch.device("cpu")
     fake_gpu(monkeypatch, lib)  # syncs become no-ops
-    monkeypatch.setattr(cuda, "_launch_copy", lambda lib_, plan: cuda.reference.run_copy(plan))
-    monkeypatch.setattr(cuda, "_launch_rope", lambda lib_, plan: cuda.reference.run_rope(plan))
+    monkeypatch.setattr(cuda_selftest, "launch_copy", lambda lib_, plan, t: run_copy(plan))
+    monkeypatch.setattr(cuda_selftest, "launch_rope", lambda lib_, plan, t: run_rope(plan))
     cuda.launch_test(lib, cpu)
 
-    def neox_only(lib_, plan) -> None:
-        cuda.reference.run_rope(plan._replace(layout="neox"))
+    def neox_only(lib_, plan, tables) -> None:
+        run_rope(plan._replace(layout="neox"))
 
-    monkeypatch.setattr(cuda, "_launch_rope", neox_only)
+    monkeypatch.setattr(cuda_selftest, "launch_rope", neox_only)
     with pytest.raises(cuda.KernelError, match="pic_rope_rows \\(interleaved\\)"):
         cuda.launch_test(lib, cpu)

@@ -150,7 +150,7 @@ def test_shared_write_queued_before_a_deletion_is_dropped(
     assert a.shared is not None
     try:
         gate = threading.Event()
-        assert a.shared._writer.submit(lambda: gate.wait(30))  # holds the writer thread
+        assert a.shared.writer.queue.submit(lambda: gate.wait(30))  # holds the writer thread
         doc = rec(131, NS_A)
         assert a.put(doc)  # its shared write waits behind the held job
         a.delete(Deletion(namespaces=frozenset({NS_A})))
@@ -224,7 +224,7 @@ def test_deletion_made_while_the_store_is_down_reaches_the_others_when_it_is_bac
         a.flush()
         hold_everywhere(b, doc)
         svc.kill()
-        a.shared._headers.clear()  # force a round trip to the dead store
+        a.shared.headers.clear()  # force a round trip to the dead store
         assert a.shared.get(doc.key) is None  # finds the store down
         report = a.delete(Deletion(namespaces=frozenset({NS_A})))
         assert report["host"].records == 1 and report["disk"].records == 1

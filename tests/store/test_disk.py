@@ -168,7 +168,7 @@ def test_enospc_leaves_no_file_no_entry_and_store_keeps_working(tmp_path, monkey
     kept, lost = make_record(seed=1), make_record(seed=2)
     store = disk(tmp_path)
     store.put(kept)
-    real = getattr(fmt.os, call)
+    real = getattr(os, call)
     n = {"calls": 0}
 
     def failing(*args, **kwargs):
@@ -177,7 +177,7 @@ def test_enospc_leaves_no_file_no_entry_and_store_keeps_working(tmp_path, monkey
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fmt.os, call, failing)
+    monkeypatch.setattr(os, call, failing)
     assert not store.put(lost)
     monkeypatch.undo()
     s = store.stats()
@@ -195,7 +195,7 @@ def test_unreadable_file_is_a_miss(tmp_path, monkeypatch):
     store.put(good)
     store.put(bad)
     bad_path = str(store.path_of(bad.key))
-    real_open = fmt.os.open
+    real_open = os.open
 
     def guarded_open(path, flags, *args):
         # As if the file were chmod 000 for a non-root user (tests may run as root).
@@ -203,7 +203,7 @@ def test_unreadable_file_is_a_miss(tmp_path, monkeypatch):
             raise PermissionError(errno.EACCES, "Permission denied", bad_path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(fmt.os, "open", guarded_open)
+    monkeypatch.setattr(os, "open", guarded_open)
     assert store.get(bad.key) is None
     assert store.get_layers(good.key, range(0, 1)) is not None
     assert store.stats().errors["unreadable"] == 1 and not store.contains(bad.key)
@@ -308,14 +308,14 @@ def test_abort_writes_stops_a_write_in_flight_and_refuses_later_ones(tmp_path, m
     store = disk(tmp_path)
     assert store.put(kept)
     writing, aborted = threading.Event(), threading.Event()
-    real_write = fmt.os.write
+    real_write = os.write
 
     def slow_write(fd, data):
         writing.set()
         aborted.wait(5)  # the abort lands while part of the file is written
         return real_write(fd, data)
 
-    monkeypatch.setattr(fmt.os, "write", slow_write)
+    monkeypatch.setattr(os, "write", slow_write)
     errors: list[BaseException] = []
 
     def put() -> None:

@@ -57,9 +57,9 @@ class FakeDisk:
         def statvfs(path):
             return types.SimpleNamespace(f_bavail=max(0, self.limit - self.used()), f_frsize=1)
 
-        monkeypatch.setattr(fmt.os, "open", open_)
-        monkeypatch.setattr(fmt.os, "write", write)
-        monkeypatch.setattr(fmt.os, "close", close)
+        monkeypatch.setattr(os, "open", open_)
+        monkeypatch.setattr(os, "write", write)
+        monkeypatch.setattr(os, "close", close)
         monkeypatch.setattr(disk_mod.os, "statvfs", statvfs)
 
 
@@ -126,7 +126,7 @@ def test_full_disk_while_empty_recovers_when_space_returns(tmp_path, monkeypatch
     assert fake.failures == 1 and s.rejected_puts == 1 and s.errors["enospc"] == 1
 
     fake.limit = 10 * FILE_BYTES  # space freed by someone else
-    monkeypatch.setattr(store, "_regrow_at", 0.0)  # as if regrow_interval_s had passed
+    monkeypatch.setattr(store._regrowth, "next_check", 0.0)  # as if regrow_interval_s had passed
     assert store.put(r1)
     s = store.stats()
     assert s.capacity_bytes == 5 * FILE_BYTES  # half the free space reported
@@ -157,7 +157,7 @@ def test_regrowth_waits_for_the_interval(tmp_path, monkeypatch):
     fake.limit = 1 << 30
     assert not store.put(make_record(seed=1))  # within regrow_interval_s: no statvfs yet
     assert store.stats().capacity_bytes == 0
-    monkeypatch.setattr(store, "_regrow_at", 0.0)
+    monkeypatch.setattr(store._regrowth, "next_check", 0.0)
     assert store.put(make_record(seed=1))
 
 

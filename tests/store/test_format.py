@@ -6,7 +6,6 @@ import threading
 import pytest
 import torch
 
-from sgl_pic.store import format as fmt
 from sgl_pic.store.errors import (
     BadMagicError,
     CorruptRecordError,
@@ -215,9 +214,9 @@ def test_failed_write_leaves_nothing(tmp_path, record, monkeypatch, fail_on):
         raise OSError(errno.EIO, "I/O error")
 
     if fail_on == "write":
-        monkeypatch.setattr(fmt.os, "write", failing_write)
+        monkeypatch.setattr(os, "write", failing_write)
     else:
-        monkeypatch.setattr(fmt.os, "fsync", failing_fsync)
+        monkeypatch.setattr(os, "fsync", failing_fsync)
     with pytest.raises(OSError):
         write_record(tmp_path / "r.sglkv", record)
     assert list(tmp_path.iterdir()) == []
@@ -242,8 +241,8 @@ def test_a_cancelled_write_leaves_nothing(tmp_path, record, monkeypatch, cancel_
 
     if cancel_at == "start":
         cancel.set()
-    monkeypatch.setattr(fmt.os, "write", write)
-    monkeypatch.setattr(fmt.os, "fsync", fsync)
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(WriteCancelled):
         write_record(tmp_path / "r.sglkv", record, cancel=cancel)
     assert list(tmp_path.iterdir()) == []

@@ -84,7 +84,7 @@ def test_put_keeps_what_was_put_when_the_caller_reuses_its_tensors(
     a, b = stores
     rec, want = make_record(seed=12), make_record(seed=12)
     gate = threading.Event()
-    assert a._writer.submit(gate.wait)
+    assert a.writer.queue.submit(gate.wait)
     try:
         assert a.put(rec)
         rec.k.zero_()
@@ -168,7 +168,7 @@ def test_concurrent_writers_store_one_object(service: SharedStoreService) -> Non
             c.flush()
         assert sum(c.write_counts()["failed"] for c in clients) == 0
         reader = clients[0]
-        reader._headers.clear()
+        reader.headers.clear()
         got = reader.get(rec.key, rec.token_ids)
         assert got is not None and same_record(got, rec)
     finally:
@@ -263,7 +263,7 @@ def test_store_killed_and_restarted() -> None:
         store.put(rec)
         store.flush()
         svc.kill()
-        store._headers.clear()  # force a round trip to the dead store
+        store.headers.clear()  # force a round trip to the dead store
         t0 = time.monotonic()
         assert store.get(rec.key) is None
         assert store.get(rec.key) is None  # the breaker is open: no second wait

@@ -4,7 +4,6 @@ import threading
 import pytest
 import torch
 
-from sgl_pic.store import format as fmt
 from sgl_pic.store.disk import DiskStoreConfig
 from sgl_pic.store.format import TMP_PREFIX, read_record
 from sgl_pic.store.host import HostStoreConfig
@@ -201,14 +200,14 @@ def test_shutdown_stops_a_direct_disk_write_cleanly(tmp_path, monkeypatch):
     shutdown landing mid-write makes that put return False and leave no file."""
     store = tiered(tmp_path, host_records=0)
     writing, go = threading.Event(), threading.Event()
-    real_write = fmt.os.write
+    real_write = os.write
 
     def slow_write(fd, data):
         writing.set()
         go.wait(5)
         return real_write(fd, data)
 
-    monkeypatch.setattr(fmt.os, "write", slow_write)
+    monkeypatch.setattr(os, "write", slow_write)
     result: list[bool] = []
     t = threading.Thread(target=lambda: result.append(store.put(make_record(seed=3))))
     t.start()

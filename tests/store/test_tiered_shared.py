@@ -92,7 +92,7 @@ def test_writes_skipped_during_an_outage_are_backfilled(tmp_path: Path) -> None:
     try:
         assert a.shared is not None
         svc.kill()
-        a.shared._headers.clear()  # force a round trip to the dead store
+        a.shared.headers.clear()  # force a round trip to the dead store
         assert a.shared.get(make_record(seed=40).key) is None  # finds it down
         assert not a.shared.link_stats().up
         recs = [make_record(seed=41 + i) for i in range(3)]

@@ -1,0 +1,147 @@
+"""Writes of the shared tier: asynchronous (a bounded queue, one thread; what it refuses
+is counted), de-duplicated within the process (a key already queued or known is not
+queued again) and across servers (set-if-absent in the store: the first writer wins).
+A write that a deletion made after ``put`` matches is dropped when it runs. While the
+store is unreachable writes are skipped and their keys remembered for the ``Backfill``
+that runs once it is back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+from sgl_pic.store.base import ChunkKV, RecordLayout, hash_token_ids
+from sgl_pic.store.errors import LayoutMismatchError
+from sgl_pic.store.host import WriteBack, WriteBackConfig
+from sgl_pic.store.object_backend import BackendError, BackendUnavailable, PutOutcome
+from sgl_pic.store.record_encode import encode_record
+from sgl_pic.store.shared_backfill import Backfill
+from sgl_pic.store.shared_counts import SharedCounts
+from sgl_pic.store.shared_deletion import SharedDeletions
+from sgl_pic.store.shared_headers import HeaderCache
+from sgl_pic.store.store_link import StoreLink
+
+
+class SharedWriter:
+    """The write side of ``SharedStore``: its ``put``, the write queue (``queue``, one
+    thread) and the backfill after an outage (``backfill``), which share it.
+    write_queue: writes pending; block_tokens: tokens per checksum block of records
+    written; backfill_keys: skipped writes remembered."""
+
+    def __init__(
+        self,
+        link: StoreLink,
+        headers: HeaderCache,
+        deletions: SharedDeletions,
+        counts: SharedCounts,
+        model_digest: str,
+        layout: RecordLayout | None,
+        write_queue: int,
+        block_tokens: int,
+        backfill_keys: int,
+    ) -> None:
+        self.link = link
+        self.headers = headers
+        self.deletions = deletions
+        self.counts = counts
+        self.model_digest = model_digest
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self.queue = WriteBack(WriteBackConfig(write_queue), "sgl-pic-shared-write")
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+        self._on_write: Callable[[], None] | None = None
+        self.backfill = Backfill(
+            backfill_keys,
+            model_digest,
+            block_tokens,
+            link,
+            deletions,
+            self.queue.submit,
+            counts.add,
+            self.notify,
+        )
+
+    def put(self, record: ChunkKV) -> bool:
+        """See ``SharedStore.put``."""
+        if record.model_digest != self.model_digest:
+            self.counts.error("foreign_model")
+            return False
+        if self.layout is not None:
+            try:
+                self.layout.check_record(record)
+            except LayoutMismatchError:
+                self.counts.error("layout_mismatch")
+                return False
+        if not self.link.stats().up:
+            self.counts.add("writes_skipped")
+            self.backfill.remember(record.key)
+            return False
+        # Taken now, in the caller's order with the deletions it applies: the write is
+        # dropped if a deletion made after now matches, and its header tells readers
+        # which tombstones it predates.
+        since, seen = self.deletions.marks()
+        with self._lock:
+            if record.key in self._pending or record.key in self.headers:
+                return True
+            self._pending.add(record.key)
+        # The writer reads the record later, on its own thread: it gets a host copy made
+        # now, in the caller's stream order, since the caller may reuse its buffers (on an
+        # accelerator, still being filled by queued kernels) once ``put`` returns.
+        try:
+            record = replace(
+                record,
+                k=record.k.to("cpu", copy=True),
+                v=record.v.to("cpu", copy=True),
+                ranking=None if record.ranking is None else record.ranking.to("cpu", copy=True),
+            )
+        except BaseException:
+            with self._lock:
+                self._pending.discard(record.key)
+            raise
+
+        def write() -> None:
+            try:
+                content = hash_token_ids(record.token_ids)
+                if self.deletions.dropped(since, record.namespace, content):
+                    self.counts.add("deleted_in_flight")
+                    return
+                enc = encode_record(record, self.block_tokens, seen)
+                outcome = self.link.call(
+                    lambda b: b.put_if_absent(record.key, [enc.head, *enc.areas]),
+                    background=True,
+                )
+                self.counts.add("stored" if outcome is PutOutcome.STORED else "present")
+                if outcome is PutOutcome.STORED:
+                    self.deletions.wrote(record.key, record.namespace, content, record.nbytes)
+            except BackendUnavailable:
+                self.counts.add("write_failed")
+                self.backfill.remember(record.key)
+                raise
+            except BackendError:
+                self.counts.add("write_failed")
+                raise
+            finally:
+                with self._lock:
+                    self._pending.discard(record.key)
+                self.notify()
+
+        if not self.queue.submit(write):
+            with self._lock:
+                self._pending.discard(record.key)
+            return False
+        return True
+
+    def notify(self) -> None:
+        """Calls the ``on_write`` listener, if any (on the writer thread)."""
+        with self._lock:
+            listener = self._on_write
+        if listener is not None:
+            listener()
+
+    def on_write(self, listener: Callable[[], None] | None) -> None:
+        """See ``SharedStore.on_write``."""
+        with self._lock:
+            self._on_write = listener
