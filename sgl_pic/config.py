@@ -190,9 +190,9 @@ class PicConfig:
     )
     auto_chunk_min_tokens: int = setting(
         32,
-        "fewest tokens of a message text auto-chunking makes a chunk; shorter texts stay "
-        "fresh (reuse saves little on them, while each chunk costs a lookup, a node and a "
-        "phase-1 forward)",
+        "fewest tokens of a message text auto-chunking makes a chunk (at least "
+        "--pic-min-chunk-tokens in effect); shorter texts stay fresh (reuse saves little on "
+        "them, while each chunk costs a lookup, a node and a phase-1 forward)",
         flag="--pic-auto-chunk-min-tokens",
         check=in_range(1, MAX_BUDGET_TOKENS),
     )

@@ -116,7 +116,10 @@ def declared(cls: type) -> tuple[Setting, ...]:
     for f in dataclasses.fields(cls):
         entry = f.metadata.get(_KEY)
         if entry is not None:
-            out.append(dataclasses.replace(entry, name=f.name, type=str(f.type)))
+            # The annotation's text (modules with ``from __future__ import annotations``)
+            # or the class's name.
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            out.append(dataclasses.replace(entry, name=f.name, type=kind))
     return tuple(out)
 
 

@@ -68,3 +68,12 @@ def test_override_rules_are_read_per_kind() -> None:
     assert overridable(Toy) == {"mode"}
     assert overridable(Toy, Override.CHAT) == {"count"}
     assert overridable(Toy, Override.NONE) == {"ratio", "hidden"}
+
+
+def test_a_module_without_string_annotations_declares_the_same_types() -> None:
+    import dataclasses
+
+    Plain = dataclasses.make_dataclass(
+        "Plain", [("n", int, setting(1, "n")), ("x", float, setting(0.5, "x"))]
+    )
+    assert [(s.name, s.type) for s in declared(Plain)] == [("n", "int"), ("x", "float")]
