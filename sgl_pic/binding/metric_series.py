@@ -311,7 +311,8 @@ def markdown_table() -> str:
     rows = ["| series | kind | labels | what it counts |", "| --- | --- | --- | --- |"]
     for _, s in declared_series():
         labels = ", ".join(f"`{label}`" for label in s.labels)
-        rows.append(f"| `{s.exported}` | {s.kind.__name__.lower()} | {labels} | {s.help} |")
+        what = s.help.replace("|", "\\|")
+        rows.append(f"| `{s.exported}` | {s.kind.__name__.lower()} | {labels} | {what} |")
     return "\n".join(rows) + "\n"
 
 
