@@ -1,6 +1,8 @@
 """One frozen settings object for chunk reuse, validated at construction.
 
-Every algorithm reads its knobs from here; nothing reads environment variables.
+Every algorithm reads its knobs from here; nothing reads environment variables. Each field
+is declared once (``sgl_pic.declare``); the launcher's flags, the README's flags table and
+the per-request override rule (``REQUEST_OVERRIDES``) are produced from those declarations.
 """
 
 from __future__ import annotations
@@ -9,6 +11,17 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from sgl_pic.declare import (
+    Override,
+    Setting,
+    by_value,
+    check_declared,
+    declared,
+    in_range,
+    one_of,
+    overridable,
+    setting,
+)
 from sgl_pic.registry import POLICIES
 
 MTAF_NAMES: tuple[str, ...] = ("linear", "log", "exp")
@@ -34,60 +47,155 @@ FULL_BUDGET_FIELDS: dict[str, str] = {
 MAX_BUDGET_TOKENS = 1 << 20
 MAX_DARIC_ITERS = 16
 MAX_QA_LAYERS = 16
+_FRACTION = in_range(0, 1, low_open=True)
+
+
+def _non_empty(name: str, value: str) -> None:
+    if not value:
+        raise ValueError(f"{name} must be a non-empty string")
 
 
 @dataclass(frozen=True)
 class PicConfig:
-    """Settings of position-independent reuse.
+    """Settings of position-independent reuse: the server's defaults (flags), each request's
+    copy with its overrides. Every field is declared once below (``sgl_pic.declare``): what
+    it sets, its flag, its check and whether a request may override it; the server-only
+    ones change how chunks are keyed, bounded or ranked when stored."""
 
-    policy:            name of a registered token-selection policy (``registry.POLICIES``).
-    daric_r:           DARIC's initial ratio r: chunk 2 gets r * n_avg tokens, in (0, 1].
-    daric_n_avg:       DARIC's average per-chunk budget n_avg (tokens), >= 0.
-    daric_mtaf:        DARIC's monotonic token allocation function: linear, log or exp.
-    daric_max_iters:   merge-and-compensate rounds of DARIC's Algorithm 1.
-    epic_k:            EPIC: first k tokens of every chunk but the first.
-    cacheblend_ratio:  CacheBlend: fraction of reused tokens recomputed, in (0, 1].
-    cachetune_r:       CacheTune: fraction of each chunk recomputed, in (0, 1].
-    cachetune_alpha:   CacheTune: fraction of low-frequency rFFT bins kept, in (0, 1].
-    qa_ratio:          query_aware: fraction of reused tokens recomputed, in (0, 1].
-    qa_min_tokens:     query_aware: the budget is at least this many tokens per reused
-                       chunk (short chunks lose more to their boundaries than a fraction
-                       of their length covers).
-    qa_sink_tokens:    query_aware: first tokens of every reused chunk always recomputed
-                       (within the budget).
-    qa_layers:         query_aware: early layers whose question attention ranks tokens.
-    segment_tokens:    longest cached segment (DARIC 3.3.2), tokens.
-    page_size:         KV page size; chunk starts are padded to it.
-    delimiter:         text marking chunk boundaries in plain-text prompts.
-    max_chunks:        most chunks one request may mark (a prompt of thousands of tiny
-                       chunks would stall the scheduler on lookups and phase sub-requests).
-    min_chunk_tokens:  fewest tokens a chunk may have.
-    auto_chunk_min_tokens: fewest tokens of a text auto-chunking makes a chunk (at least
-                       ``min_chunk_tokens`` in effect); shorter texts stay fresh. Reuse
-                       saves little on them (query_aware recomputes ``qa_min_tokens`` of
-                       every reused chunk, DARIC its first tokens), while each costs a
-                       lookup, a node and, on first sight, a phase-1 forward.
-    """
-
-    policy: str = "query_aware"
-    daric_r: float = 0.1
-    daric_n_avg: float = 32.0
-    daric_mtaf: str = "linear"
-    daric_max_iters: int = 3
-    epic_k: int = 32
-    cacheblend_ratio: float = 0.15
-    cachetune_r: float = 0.15
-    cachetune_alpha: float = 0.5
-    qa_ratio: float = 0.15
-    qa_min_tokens: int = 16
-    qa_sink_tokens: int = 1
-    qa_layers: int = 6
-    segment_tokens: int = 256
-    page_size: int = 1
-    delimiter: str = "<|pic_chunk|>"
-    max_chunks: int = 256
-    min_chunk_tokens: int = 4
-    auto_chunk_min_tokens: int = 32
+    policy: str = setting(
+        "query_aware",
+        "token-selection policy (a name registered in ``registry.POLICIES``)",
+        flag="--pic-policy",
+        choices=POLICIES.names,
+        check=by_value(POLICIES.check),  # UnknownNameError is a ValueError
+        override=Override.CONFIG,
+    )
+    daric_r: float = setting(
+        0.1,
+        "DARIC: initial ratio r, chunk 2 gets r * n_avg tokens, in (0, 1]",
+        flag="--pic-r",
+        check=_FRACTION,
+        override=Override.CONFIG,
+    )
+    daric_n_avg: float = setting(
+        32.0,
+        "DARIC: average per-chunk budget n_avg, tokens",
+        flag="--pic-n-avg",
+        # n_avg = 0 would select nothing: that is full_reuse, asked for by name.
+        check=in_range(0, MAX_BUDGET_TOKENS, low_open=True),
+        override=Override.CONFIG,
+    )
+    daric_mtaf: str = setting(
+        "linear",
+        "DARIC: monotonic token allocation function",
+        flag="--pic-mtaf",
+        choices=MTAF_NAMES,
+        check=one_of(MTAF_NAMES, "MTAF", "MTAFs"),
+        override=Override.CONFIG,
+    )
+    daric_max_iters: int = setting(
+        3,
+        "DARIC: merge-and-compensate rounds of its Algorithm 1",
+        flag="--pic-max-iters",
+        check=in_range(0, MAX_DARIC_ITERS),
+        override=Override.CONFIG,
+    )
+    epic_k: int = setting(
+        32,
+        "EPIC: first k tokens of every chunk but the first are recomputed",
+        flag="--pic-epic-k",
+        check=in_range(0, MAX_BUDGET_TOKENS),
+        override=Override.CONFIG,
+    )
+    cacheblend_ratio: float = setting(
+        0.15,
+        "CacheBlend: fraction of reused tokens recomputed, in (0, 1]",
+        flag="--pic-cacheblend-ratio",
+        check=_FRACTION,
+        override=Override.CONFIG,
+    )
+    cachetune_r: float = setting(
+        0.15,
+        "CacheTune: fraction of each chunk recomputed, in (0, 1]",
+        flag="--pic-cachetune-r",
+        check=_FRACTION,
+        override=Override.CONFIG,
+    )
+    cachetune_alpha: float = setting(
+        0.5,
+        "CacheTune: fraction of low-frequency rFFT bins kept, in (0, 1] (part of every "
+        "chunk key, so server-wide)",
+        flag="--pic-alpha",
+        check=_FRACTION,
+    )
+    qa_ratio: float = setting(
+        0.15,
+        "query_aware: fraction of reused tokens recomputed, in (0, 1]",
+        flag="--pic-qa-ratio",
+        check=_FRACTION,
+        override=Override.CONFIG,
+    )
+    qa_min_tokens: int = setting(
+        16,
+        "query_aware: the budget is at least this many tokens per reused chunk (short "
+        "chunks lose more to their boundaries than a fraction of their length covers)",
+        flag="--pic-qa-min-tokens",
+        check=in_range(0, MAX_BUDGET_TOKENS),
+        override=Override.CONFIG,
+    )
+    qa_sink_tokens: int = setting(
+        1,
+        "query_aware: first tokens of every reused chunk always recomputed (within the budget)",
+        flag="--pic-qa-sink-tokens",
+        check=in_range(0, MAX_BUDGET_TOKENS),
+        override=Override.CONFIG,
+    )
+    qa_layers: int = setting(
+        6,
+        "query_aware: early layers whose question attention ranks tokens (the probe's depth)",
+        flag="--pic-qa-layers",
+        # The probe's cost grows with its depth; past a few layers it is a second prefill.
+        check=in_range(1, MAX_QA_LAYERS),
+        override=Override.CONFIG,
+    )
+    segment_tokens: int = setting(
+        256,
+        "longest cached segment (DARIC 3.3.2), tokens; longer chunks are cut into windows",
+        flag="--pic-segment-tokens",
+        check=in_range(1, MAX_BUDGET_TOKENS),
+    )
+    page_size: int = setting(
+        1,
+        "KV page size chunk starts are padded to: SGLang's resolved --page-size",
+        check=in_range(1, 1 << 16),
+    )
+    delimiter: str = setting(
+        "<|pic_chunk|>",
+        "text marking chunk boundaries in plain-text prompts",
+        flag="--pic-delimiter",
+        check=_non_empty,
+    )
+    max_chunks: int = setting(
+        256,
+        "most chunks one request may mark (thousands of tiny chunks would stall the "
+        "scheduler on lookups and phase sub-requests)",
+        flag="--pic-max-chunks",
+        check=in_range(1, 1 << 16),
+    )
+    min_chunk_tokens: int = setting(
+        4,
+        "fewest tokens a marked chunk may have",
+        flag="--pic-min-chunk-tokens",
+        check=in_range(1, MAX_BUDGET_TOKENS),
+    )
+    auto_chunk_min_tokens: int = setting(
+        32,
+        "fewest tokens of a message text auto-chunking makes a chunk (at least "
+        "--pic-min-chunk-tokens in effect); shorter texts stay fresh (reuse saves little on "
+        "them, while each chunk costs a lookup, a node and a phase-1 forward)",
+        flag="--pic-auto-chunk-min-tokens",
+        check=in_range(1, MAX_BUDGET_TOKENS),
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -96,31 +204,7 @@ class PicConfig:
             if f.type == "float":
                 # 32 and 32.0 are one budget: one value, one approximation key.
                 object.__setattr__(self, f.name, float(value))
-        POLICIES.check(self.policy)  # UnknownNameError is a ValueError
-        if self.daric_mtaf not in MTAF_NAMES:
-            raise ValueError(
-                f"unknown MTAF {self.daric_mtaf!r}; valid MTAFs: {', '.join(MTAF_NAMES)}"
-            )
-        _check_fraction("daric_r", self.daric_r)
-        _check_fraction("cacheblend_ratio", self.cacheblend_ratio)
-        _check_fraction("cachetune_r", self.cachetune_r)
-        _check_fraction("cachetune_alpha", self.cachetune_alpha)
-        _check_fraction("qa_ratio", self.qa_ratio)
-        _check_range("qa_min_tokens", self.qa_min_tokens, 0, MAX_BUDGET_TOKENS)
-        _check_range("qa_sink_tokens", self.qa_sink_tokens, 0, MAX_BUDGET_TOKENS)
-        # The probe's cost grows with its depth; past a few layers it is a second prefill.
-        _check_range("qa_layers", self.qa_layers, 1, MAX_QA_LAYERS)
-        # n_avg = 0 would select nothing: that is full_reuse, asked for by name.
-        _check_range("daric_n_avg", self.daric_n_avg, 0, MAX_BUDGET_TOKENS, low_open=True)
-        _check_range("daric_max_iters", self.daric_max_iters, 0, MAX_DARIC_ITERS)
-        _check_range("epic_k", self.epic_k, 0, MAX_BUDGET_TOKENS)
-        _check_range("segment_tokens", self.segment_tokens, 1, MAX_BUDGET_TOKENS)
-        _check_range("page_size", self.page_size, 1, 1 << 16)
-        _check_range("max_chunks", self.max_chunks, 1, 1 << 16)
-        _check_range("min_chunk_tokens", self.min_chunk_tokens, 1, MAX_BUDGET_TOKENS)
-        _check_range("auto_chunk_min_tokens", self.auto_chunk_min_tokens, 1, MAX_BUDGET_TOKENS)
-        if not self.delimiter:
-            raise ValueError("delimiter must be a non-empty string")
+        check_declared(self, CONFIG_SETTINGS)
 
     @property
     def exact(self) -> bool:
@@ -164,12 +248,7 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
         raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
-def _check_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
-    if not (low < value if low_open else low <= value) or value > high:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
-
-
-def _check_fraction(name: str, value: float) -> None:
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {value}")
+# The declarations of PicConfig's fields, in field order.
+CONFIG_SETTINGS: tuple[Setting, ...] = declared(PicConfig)
+# Settings a request may override (``"pic": {"config": {...}}``); the rest are server-wide.
+REQUEST_OVERRIDES: frozenset[str] = overridable(PicConfig)

@@ -2,142 +2,225 @@
 
 SGLang spawns its scheduler as a fresh process; the one channel that reaches it without
 touching SGLang's argument parser is the environment, so the settings travel as JSON there.
+Each setting is declared once, on its field (``sgl_pic.declare``); the launcher's flags and
+the README's flags table are produced from ``SERVER_SETTINGS`` (``sgl_pic.cli.flags``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from sgl_pic.config import PicConfig
+from sgl_pic.declare import (
+    Check,
+    Override,
+    Setting,
+    by_value,
+    check_declared,
+    declared,
+    in_range,
+    int_in,
+    setting,
+)
 from sgl_pic.engine.layer_feed import FEED_MODES
 from sgl_pic.engine.tenants import TenantPolicy, parse_names
-from sgl_pic.http.chat_chunks import parse_roles
-from sgl_pic.store.admission import check_mode
-from sgl_pic.store.eviction import check_policy
+from sgl_pic.http.chat_chunks import AUTO_CHUNK_ROLES, parse_roles
+from sgl_pic.store.admission import ADMISSION_MODES, check_mode
+from sgl_pic.store.eviction import EVICTION_POLICIES, check_policy
 
 ENV_VAR = "SGLPIC_SETTINGS"  # not SGL_*: SGLang claims that prefix
 BACKEND_NAME = "sgl_pic"
 
 
+def _tier_mb(_name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError("host_cache_mb and disk_cache_mb must be >= 0")
+
+
+def _request_limit(name: str, value: int) -> None:
+    if value < {"max_body_mb": 1, "max_json_depth": 4}[name]:
+        raise ValueError("max_body_mb must be >= 1 and max_json_depth >= 4")
+
+
+def _store_url(_name: str, value: str) -> None:
+    if value:
+        from sgl_pic.store.object_backend import StoreAddress
+
+        StoreAddress.parse(value)  # ValueError naming what is wrong
+
+
+def _comma_list(what: str, parse: Callable[[str], object]) -> Check:
+    def check(name: str, value: Any) -> None:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a comma list of {what}, got {value!r}")
+        parse(value)  # ValueError naming the bad entry
+
+    return check
+
+
+def _default_disk_dir() -> str:
+    from sgl_pic.paths import cache_root
+
+    return str(cache_root() / "chunks")
+
+
 @dataclass(frozen=True)
 class PicServerSettings:
-    """config:             default PicConfig of every request (requests may override fields).
-    model_path:           model directory (its fingerprint keys every tier).
-    device_cache_fraction: share of SGLang's KV pool chunk nodes may hold, in [0, 1].
-    host_cache_mb:        host-memory tier capacity, MiB (0 turns the tier off).
-    disk_cache_dir:       disk tier directory ("" turns the tier off); chunks written there
-                          survive restarts.
-    disk_cache_mb:        disk tier capacity, MiB.
-    calibrate:            measure load and compute costs at start-up and pick CacheTune's r
-                          per tier (stored as calibration.json beside the disk tier).
-    feed_mode:            how host/disk KV is loaded during phase 2: "threaded" or "inorder".
-    feed_timeout_s:       longest wait for one layer of host/disk KV; a stuck feed makes
-                          its batch run as exact prefill.
-    merge_gap:            phase-2 runs of recomputed tokens separated by at most this many
-                          tokens run as one sub-request (the gap is recomputed too, which
-                          only brings the result closer to exact); 0 keeps runs as selected.
-    max_body_mb:          largest HTTP request body accepted (413 above it).
-    max_json_depth:       deepest JSON nesting accepted in a request body (400 above it).
-    shared_store:         URL of a chunk store shared by several servers (e.g.
-                          ``mooncake://HOST:PORT``, see ``sgl_pic.store.object_backend``);
-                          "" turns the shared tier off.
-    auto_chunk:           roles whose messages /v1/chat/completions marks as chunks
-                          itself, a comma list of ``chat_chunks.AUTO_CHUNK_ROLES`` (tool
-                          results, documents, earlier turns by role); "" turns it off
-                          (requests may still ask with ``"pic": {"auto_chunk": ...}``).
-    public_namespaces:    comma list of namespace names (a ``cache_salt`` or ``extra_key``
-                          value) whose chunks requests asking for the public scope may read
-                          (``tenants.TenantPolicy``); "" (default): tenants share nothing.
-    namespace_device_fraction: share of the chunk nodes' slots one isolation namespace
-                          (tenant) may hold, in [0, 1]; 0 (default): no cap. Past it a
-                          tenant's inserts evict only its own nodes (``ChunkNodeTable``).
-    namespace_host_mb:    host-tier MiB one namespace may hold; 0 (default): no cap.
-    namespace_disk_mb:    disk-tier MiB one namespace may hold; 0 (default): no cap.
-    namespace_metrics:    most namespaces given a label of their own in the per-namespace
-                          metrics (the rest share "other"); 0 (default): no per-namespace
-                          metrics (``metrics.NamespaceLabels``).
-    eviction:             eviction order of chunk nodes, host and disk tiers: "gdsf"
-                          (recency, hits and size: a stream of novel chunks does not push
-                          out the ones in steady use), "lru" or "lfu"
-                          (``sgl_pic.store.eviction``).
-    admission:            whether a chunk found in no tier is stored on first sight:
-                          "always", "second_sight" (computed in context, stored when seen
-                          again), or "adaptive" (second sight while few first-seen chunks
-                          come back, as in a stream of novel documents;
-                          ``sgl_pic.store.admission``).
-    refused:              why chunk reuse is refused for this launch (a model that failed
-                          ``--pic-check``); every request then runs as exact prefill. ''
-                          when reuse is allowed.
-    secret:               per-launch key that signs the chunk marks our HTTP translation
-                          makes; the scheduler honours only marks it signed. Empty (SGLang's
-                          own launcher) means no marks are honoured: reuse stays off.
-    """
+    """Server-wide settings: ``config`` is every request's default ``PicConfig`` (requests
+    may override some of its fields); each other field is declared once below
+    (``sgl_pic.declare``): what it sets, its flag, its check, whether a request may
+    override it. Fields without a flag are set by the launcher itself."""
 
     config: PicConfig
-    model_path: str = ""
-    device_cache_fraction: float = 0.5
-    host_cache_mb: int = 2048
-    disk_cache_dir: str = ""
-    disk_cache_mb: int = 8192
-    calibrate: bool = False
-    feed_mode: str = "threaded"
-    feed_timeout_s: float = 30.0
-    merge_gap: int = 0
-    max_body_mb: int = 64
-    max_json_depth: int = 64
-    shared_store: str = ""
-    auto_chunk: str = ""
-    public_namespaces: str = ""
-    namespace_device_fraction: float = 0.0
-    namespace_host_mb: int = 0
-    namespace_disk_mb: int = 0
-    namespace_metrics: int = 0
-    eviction: str = "gdsf"
-    admission: str = "adaptive"
-    refused: str = ""
-    secret: str = field(default="", repr=False)
+    model_path: str = setting("", "model directory (its fingerprint keys every tier)")
+    device_cache_fraction: float = setting(
+        0.5,
+        "share of SGLang's KV pool chunk nodes may hold, in [0, 1]",
+        flag="--pic-device-cache-fraction",
+        check=in_range(0, 1),
+    )
+    host_cache_mb: int = setting(
+        2048, "host-memory tier, MiB (0: off)", flag="--pic-host-cache-mb", check=_tier_mb
+    )
+    disk_cache_dir: str = setting(
+        "",
+        "disk tier directory; chunks written there survive restarts ('': off)",
+        flag="--pic-disk-cache-dir",
+        launch_default=_default_disk_dir,
+        shown_default="~/.cache/sgl_pic/chunks",
+    )
+    disk_cache_mb: int = setting(8192, "disk tier, MiB", flag="--pic-disk-cache-mb", check=_tier_mb)
+    calibrate: bool = setting(
+        False,
+        "measure load and compute costs at start-up on the KV pool's device and pick "
+        "CacheTune's r per tier, stored as calibration.json beside the disk tier (with tensor "
+        "parallelism every rank takes rank 0's)",
+        flag="--pic-calibrate",
+    )
+    feed_mode: str = setting(
+        "threaded",
+        "how host/disk KV is loaded during phase 2: by a worker thread, or in order",
+        flag="--pic-feed-mode",
+        choices=FEED_MODES,
+    )
+    feed_timeout_s: float = setting(
+        30.0,
+        "longest wait for one layer of host/disk KV; past it the batch runs as exact prefill",
+        flag="--pic-feed-timeout-s",
+        check=in_range(0, 3600, low_open=True),
+    )
+    merge_gap: int = setting(
+        0,
+        "phase-2 runs of recomputed tokens separated by at most this many tokens run as one "
+        "sub-request (the gap is recomputed too, which only brings the result closer to "
+        "exact)",
+        flag="--pic-merge-gap",
+        check=int_in(0, 4096),
+    )
+    max_body_mb: int = setting(
+        64,
+        "largest HTTP request body accepted, MiB (413 above it)",
+        flag="--pic-max-body-mb",
+        check=_request_limit,
+    )
+    max_json_depth: int = setting(
+        64,
+        "deepest JSON nesting accepted in a request body (400 above it)",
+        flag="--pic-max-json-depth",
+        check=_request_limit,
+    )
+    shared_store: str = setting(
+        "",
+        "chunk tier shared by several servers, e.g. ``mooncake://HOST:PORT`` (started by "
+        "scripts/shared_store.sh; ``sgl_pic.store.object_backend``); '': off",
+        flag="--pic-shared-store",
+        metavar="URL",
+        check=_store_url,
+    )
+    auto_chunk: str = setting(
+        "",
+        "chat messages /v1/chat/completions marks as chunks itself: a comma list of "
+        f"{', '.join(AUTO_CHUNK_ROLES)} (tool results, messages named 'document', earlier "
+        "turns of the other roles); '': off",
+        flag="--pic-auto-chunk",
+        metavar="ROLES",
+        check=_comma_list("roles", parse_roles),
+        override=Override.CHAT,
+    )
+    public_namespaces: str = setting(
+        "",
+        "namespaces (a cache_salt or extra_key value, comma list) whose chunks a request "
+        'asking for the public scope (``"pic": {"config": {"public_scope": true}}``) may '
+        "read; '': tenants share nothing",
+        flag="--pic-public-namespaces",
+        metavar="NAMES",
+        check=_comma_list("names", lambda v: TenantPolicy.from_names(parse_names(v))),
+    )
+    namespace_device_fraction: float = setting(
+        0.0,
+        "share of the chunk nodes' pool slots one tenant (cache_salt/extra_key namespace) may "
+        "hold, in [0, 1]; past it its inserts evict only its own nodes (0: no cap)",
+        flag="--pic-namespace-device-fraction",
+        metavar="F",
+        check=in_range(0, 1),
+    )
+    namespace_host_mb: int = setting(
+        0,
+        "host-tier MiB one tenant may hold (0: no cap)",
+        flag="--pic-namespace-host-mb",
+        metavar="MIB",
+        check=int_in(0),
+    )
+    namespace_disk_mb: int = setting(
+        0,
+        "disk-tier MiB one tenant may hold (0: no cap)",
+        flag="--pic-namespace-disk-mb",
+        metavar="MIB",
+        check=int_in(0),
+    )
+    namespace_metrics: int = setting(
+        0,
+        "per-tenant metrics for at most N tenants, labelled by a digest prefix, the rest "
+        "'other' (``metrics.NamespaceLabels``); 0: off",
+        flag="--pic-namespace-metrics",
+        metavar="N",
+        check=int_in(0),
+    )
+    eviction: str = setting(
+        "gdsf",
+        "eviction order of chunk nodes, host and disk tiers: gdsf (recency, hits and size: a "
+        "stream of novel chunks does not push out the ones in steady use), lru or lfu",
+        flag="--pic-eviction",
+        choices=EVICTION_POLICIES,
+        check=by_value(check_policy),
+    )
+    admission: str = setting(
+        "adaptive",
+        "store a chunk found in no tier on first sight (always), on second sight "
+        "(second_sight: computed in context first), or on second sight while few first-seen "
+        "chunks come back (adaptive)",
+        flag="--pic-admission",
+        choices=ADMISSION_MODES,
+        check=by_value(check_mode),
+    )
+    refused: str = setting(
+        "",
+        "why chunk reuse is refused for this launch (a model that failed --pic-check): every "
+        "request then runs as exact prefill; '' when reuse is allowed",
+    )
+    secret: str = setting(
+        "",
+        "per-launch key that signs the chunk marks our HTTP translation makes; the scheduler "
+        "honours only marks it signed ('', as under SGLang's own launcher: none are)",
+        repr=False,
+    )
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.device_cache_fraction <= 1.0:
-            raise ValueError(
-                f"device_cache_fraction must be in [0, 1], got {self.device_cache_fraction}"
-            )
-        if self.host_cache_mb < 0 or self.disk_cache_mb < 0:
-            raise ValueError("host_cache_mb and disk_cache_mb must be >= 0")
-        check_policy(self.eviction)
-        check_mode(self.admission)
-        if self.feed_mode not in FEED_MODES:
-            raise ValueError(
-                f"unknown feed_mode {self.feed_mode!r}; valid: {', '.join(FEED_MODES)}"
-            )
-        if not 0.0 < self.feed_timeout_s <= 3600.0:
-            raise ValueError(f"feed_timeout_s must be in (0, 3600], got {self.feed_timeout_s}")
-        if isinstance(self.merge_gap, bool) or not 0 <= self.merge_gap <= 4096:
-            raise ValueError(f"merge_gap must be an int in [0, 4096], got {self.merge_gap!r}")
-        if self.max_body_mb < 1 or self.max_json_depth < 4:
-            raise ValueError("max_body_mb must be >= 1 and max_json_depth >= 4")
-        if self.shared_store:
-            from sgl_pic.store.object_backend import StoreAddress
-
-            StoreAddress.parse(self.shared_store)  # ValueError naming what is wrong
-        if not isinstance(self.auto_chunk, str):
-            raise ValueError(f"auto_chunk must be a comma list of roles, got {self.auto_chunk!r}")
-        parse_roles(self.auto_chunk)  # ValueError naming the unknown role
-        if not isinstance(self.public_namespaces, str):
-            raise ValueError(
-                f"public_namespaces must be a comma list of names, got {self.public_namespaces!r}"
-            )
-        TenantPolicy.from_names(parse_names(self.public_namespaces))  # ValueError: blank name
-        if not 0.0 <= self.namespace_device_fraction <= 1.0:
-            raise ValueError(
-                f"namespace_device_fraction must be in [0, 1], got {self.namespace_device_fraction}"
-            )
-        for name in ("namespace_host_mb", "namespace_disk_mb", "namespace_metrics"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        check_declared(self, SERVER_SETTINGS)
         if self.calibrate and not (self.host_cache_mb or self.disk_cache_dir):
             raise ValueError("calibration picks r per host/disk tier: enable one of them")
 
@@ -170,3 +253,7 @@ class PicServerSettings:
         data = json.loads(raw)
         data["config"] = PicConfig(**data["config"])
         return cls(**data)
+
+
+# The declarations of PicServerSettings' fields (all but ``config``), in field order.
+SERVER_SETTINGS: tuple[Setting, ...] = declared(PicServerSettings)

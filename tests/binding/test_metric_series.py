@@ -1,0 +1,58 @@
+"""sgl_pic's series made from their declarations (``sgl_pic.binding.metric_series``): the
+same names, kinds, help, labels, buckets and gauge modes as the hand-written
+``PicMetrics.__init__`` of f33133e exported."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter
+
+from sgl_pic.binding.metric_series import PicSeries, Series, declared_series, markdown_table
+
+BEFORE = json.loads((Path(__file__).parent / "data" / "metric_series_f33133e.json").read_text())
+
+
+def describe(attr: str, obj: Any) -> dict[str, Any]:
+    bounds = list(getattr(obj, "_upper_bounds", [])) or None
+    return {
+        "attr": attr,
+        "name": obj._name,
+        "kind": obj._type,
+        "help": obj._documentation,
+        "labels": list(obj._labelnames),
+        "multiprocess_mode": getattr(obj, "_multiprocess_mode", None),
+        "buckets": bounds,
+    }
+
+
+def test_the_series_are_the_ones_exported_before(metrics: Any) -> None:
+    got = [describe(attr, getattr(metrics, attr)) for attr, _ in declared_series()]
+    assert got == BEFORE["series"]  # same order, too
+    assert BEFORE["series"][-1]["buckets"] is None
+    selection = next(s for s in BEFORE["series"] if s["kind"] == "histogram")
+    assert math.isinf(selection["buckets"][-1])
+
+
+def test_each_declaration_is_registered_once(metrics: Any) -> None:
+    exported = {f.name for f in REGISTRY.collect() if f.name.startswith("sgl_pic_")}
+    declared = {s.name for _, s in declared_series()}
+    assert declared <= exported
+    assert len(declared) == len(declared_series()) == len(BEFORE["series"])
+
+
+def test_an_attribute_is_its_declaration_on_the_class_and_its_object_on_an_instance(
+    metrics: Any,
+) -> None:
+    assert isinstance(PicSeries.hits, Series) and PicSeries.hits.labels == ("kind",)
+    assert isinstance(metrics.hits, Counter)
+    assert PicSeries.requests.exported == "sgl_pic_requests_total"
+
+
+def test_the_markdown_table_lists_every_series() -> None:
+    table = markdown_table()
+    assert all(f"`{s.exported}`" in table for _, s in declared_series())
+    assert table.count("\n") == len(declared_series()) + 2
