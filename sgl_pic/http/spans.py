@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sgl_pic.config import PicConfig
+from sgl_pic.config import REQUEST_OVERRIDES, PicConfig
 from sgl_pic.engine.tenants import PUBLIC_SCOPE_OPTION
 from sgl_pic.layout import LayoutError, PromptLayout
 
@@ -35,23 +35,8 @@ INTERNAL_PREFIX = "sgl_pic"
 _COMMAND_TAG = b"sgl_pic.command-v1\x00"
 # Per-request overrides a client may send; server-only settings (page size, segment length,
 # delimiter, limits, CacheTune's alpha) are excluded because they change how chunks are
-# keyed, bounded or ranked when stored.
-OVERRIDABLE = frozenset(
-    {
-        "policy",
-        "daric_r",
-        "daric_n_avg",
-        "daric_mtaf",
-        "daric_max_iters",
-        "epic_k",
-        "cacheblend_ratio",
-        "cachetune_r",
-        "qa_ratio",
-        "qa_min_tokens",
-        "qa_sink_tokens",
-        "qa_layers",
-    }
-)
+# keyed, bounded or ranked when stored. Declared on PicConfig's fields.
+OVERRIDABLE = REQUEST_OVERRIDES
 
 
 @dataclass(frozen=True)
