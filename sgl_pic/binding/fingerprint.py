@@ -20,6 +20,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,11 +28,13 @@ import torch
 from sgl_pic.keys import ModelFingerprint, fingerprint_model_dir
 
 # SGLang's --dtype spellings that name the same dtype as a torch name.
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+_DTYPE_ALIASES = MappingProxyType({"half": "float16", "float": "float32", "bf16": "bfloat16"})
 
 # Config attributes RoPE reads under an older name: one spelling per setting, so a config
 # from transformers 4.x and one from 5.x for the same checkpoint agree.
-_ROPE_ALIASES = {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"}
+_ROPE_ALIASES = MappingProxyType(
+    {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"}
+)
 # Attributes folded into the per-type parameter dict rather than listed as extras.
 _ROPE_FOLDED = frozenset(
     {"rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor", *_ROPE_ALIASES}
