@@ -100,6 +100,7 @@ def main() -> int:
     add_out_option(ap, "assembly.json")
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
+    commit, dirty = git_state()  # the tree whose code runs, whatever HEAD is at the end
 
     from sgl_pic.model.embedded import ensure_embedded_model
 
@@ -148,7 +149,6 @@ def main() -> int:
                 "gathered_over_slices_paired": round(paired, 2),
             }
             print(key, summary[key], flush=True)
-    commit, dirty = git_state()
     report = {
         "git_commit": commit,
         "git_dirty": dirty,

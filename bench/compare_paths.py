@@ -117,6 +117,7 @@ def main() -> None:
     add_server_args_option(ap)
     add_out_option(ap, "compare_paths.json")
     args = ap.parse_args()
+    state = git_state()  # the new tree's code is read at its server's start, not at the end
     tok = embedded_tokenizer()
     reqs = requests_for(tok, args.examples, args.passages, args.passage_tokens)
     server_args = args.server_args.split()
@@ -147,7 +148,6 @@ def main() -> None:
             }
         )
     worst = max(r["top_logprob_max_abs_diff"] for r in records)
-    state = git_state()
     report = {
         "git_commit": state.commit,
         "git_dirty": state.dirty,

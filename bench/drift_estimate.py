@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ratios must be in (0, 1]")
 
     started = time.perf_counter()
+    state = git_state()  # the code that runs is the tree's now, whatever HEAD is at the end
     torch.set_num_threads(args.threads)
     model_path, tokenizer, oracle = load_oracle_model(args.model)
     examples = load_rag_examples(args.data)[: args.examples]
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "drift_estimate",
         "issue": 46,
-        "commit": git_state()._asdict(),
+        "commit": state._asdict(),
         "model": str(model_path),
         "data": str(args.data),
         "examples": len(examples),

@@ -205,6 +205,7 @@ def stop_ids(tokenizer: Any) -> frozenset[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started, cpu_started = time.perf_counter(), time.process_time()
+    state = git_state()  # the code that runs is the tree's now, whatever HEAD is at the end
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model_path, tokenizer, oracle = load_oracle_model(args.model)
@@ -324,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
         # CPU time of the process: on a shared machine, what predicts another run's length.
         "cpu_s": time.process_time() - cpu_started,
-        "commit": git_state()._asdict(),
+        "commit": state._asdict(),
         "summary": summarize(rows, run_variants + floor_variants),
         "cachetune_recall": {key: statistics.fmean(r[key] for r in recalls) for key in recalls[0]},
         "cachetune_recall_rows": recalls,
