@@ -31,7 +31,7 @@ __all__ = ["SUPPORTED_BACKENDS", "Support", "check_support", "install", "sglang_
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # SGLang's prefill graph runner; batches with chunked requests are kept off it by
-# ``plugin._prefill_graph_hook`` on its ``can_run_graph``.
+# ``hooks.prefill_graph_hook`` on its ``can_run_graph``.
 PREFILL_GRAPH_RUNNER = "PrefillCudaGraphRunner"
 
 
@@ -99,12 +99,12 @@ def check_support(ctx: Any, prefill_graph_guarded: Callable[[Any], bool] | None 
 
 
 def graph_guarded(graph_runner: Any) -> bool:
-    """Whether ``plugin._prefill_graph_hook`` wraps the ``can_run_graph`` this prefill
+    """Whether ``hooks.prefill_graph_hook`` wraps the ``can_run_graph`` this prefill
     graph runner's class resolves to (SGLang's HookRegistry applies it as an AROUND
     wrapper whose ``__wrapped__`` chain leads to the original)."""
     import inspect
 
-    from sgl_pic.binding.plugin import _prefill_graph_hook
+    from sgl_pic.binding.hooks import prefill_graph_hook
 
     fn = getattr(type(graph_runner), "can_run_graph", None)
     while callable(fn):
@@ -112,7 +112,7 @@ def graph_guarded(graph_runner: Any) -> bool:
             hooks = inspect.getclosurevars(fn).nonlocals.values()
         except TypeError:  # a builtin or C callable: no closure to read
             return False
-        if any(h is _prefill_graph_hook for h in hooks):
+        if any(h is prefill_graph_hook for h in hooks):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import accumulate
 from typing import Any, NamedTuple
 
@@ -232,13 +233,41 @@ def extend_backend(backend: Any) -> Any:  # sglang AttentionBackend
     return backend
 
 
+LayerFn = Callable[[int], None]
+# (layer, RadixAttention, its post-RoPE queries # [n, heads * head_dim])
+AttentionFn = Callable[[int, Any, "torch.Tensor | None"], None]
+
+
+@dataclasses.dataclass
+class PhaseContext:
+    """The state of the phase forward under way: the one thing the decoder-layer and
+    attention hooks read (``PhaseRunner.layer_start`` / ``layer_end`` / ``attention_end``
+    and the torch_native extend hook). It exists only inside ``PhaseRunner.running``,
+    which always takes it down again, so no callback or batch of one forward outlives it.
+
+    batch:          the phase batch's ForwardBatch (what the attention hooks act on).
+    before_layer:   called with l before decoder layer l (the layer feed's loads).
+    after_layer:    called with l after decoder layer l (CacheBlend's deviation probe).
+    after_attention: called after layer l's RadixAttention (the query probe).
+    groups:         the batch's sub-requests grouped by request row, built on the first
+                    layer that asks (``PhaseRunner.row_groups``) and reused by the others."""
+
+    batch: Any
+    before_layer: tuple[LayerFn, ...] = ()
+    after_layer: tuple[LayerFn, ...] = ()
+    after_attention: tuple[AttentionFn, ...] = ()
+    groups: list[AttnGroup] | None = None
+
+
 class PhaseRunner:
     """Runs phase batches through SGLang: the backend plans each one, then the model's
     decoder stack runs it. ``stack(ids, positions, forward_batch)`` is the decoder stack's
     original forward; ``backend`` the model runner's attention backend.
 
-    ``batch`` is the phase batch being forwarded (None between forwards): the attention
-    and layer hooks act only on it, so SGLang's own forwards never see phase state."""
+    ``context`` is the phase forward under way (None between forwards), set and reset only
+    by ``running``: the attention and layer hooks act only on it, so SGLang's own forwards
+    never see phase state. Worker side: every method runs on the scheduler's forward
+    thread."""
 
     def __init__(
         self,
@@ -253,12 +282,12 @@ class PhaseRunner:
         self.req_to_token = req_to_token
         self.translator = translator
         self.req_pool = req_pool
-        self.batch: Any | None = None
-        self._groups: list[AttnGroup] | None = None  # row_groups of ``batch``, once built
-        self.before_layer: list[Callable[[int], None]] = []
-        self.after_layer: list[Callable[[int], None]] = []
-        # (layer, RadixAttention, its post-RoPE queries # [n, heads * head_dim])
-        self.after_attention: list[Callable[[int, Any, torch.Tensor | None], None]] = []
+        self.context: PhaseContext | None = None
+
+    @property
+    def batch(self) -> Any | None:
+        """The ForwardBatch of the phase forward under way, None between them."""
+        return None if self.context is None else self.context.batch
 
     def prepare(
         self, live: Any, subrequests: Sequence[SubRequest], input_ids: torch.Tensor
@@ -297,32 +326,55 @@ class PhaseRunner:
             return None
         return int(self.req_pool.size)
 
+    @contextmanager
+    def running(
+        self,
+        phase: PhaseBatch,
+        before_layer: Sequence[LayerFn] = (),
+        after_layer: Sequence[LayerFn] = (),
+        after_attention: Sequence[AttentionFn] = (),
+    ) -> Iterator[PhaseContext]:
+        """The one way into a phase forward's context: sets it for ``phase`` with these
+        callbacks, and takes all of it down when the block ends, however it ends (an
+        exception, a probe cutting the pass short). Phase forwards never nest."""
+        if self.context is not None:
+            raise RuntimeError("sgl_pic: a phase forward is already under way")
+        self.context = PhaseContext(
+            phase.forward_batch, tuple(before_layer), tuple(after_layer), tuple(after_attention)
+        )
+        try:
+            yield self.context
+        finally:
+            self.context = None
+
     def run(
         self,
         stack: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
         phase: PhaseBatch,
+        before_layer: Sequence[LayerFn] = (),
+        after_layer: Sequence[LayerFn] = (),
+        after_attention: Sequence[AttentionFn] = (),
     ) -> torch.Tensor:
-        """# [sum extend, hidden] the decoder stack's output over ``phase``."""
+        """# [sum extend, hidden] the decoder stack's output over ``phase``, the callbacks
+        called by the layer and attention hooks during it (``running``)."""
         fb = phase.forward_batch
-        self.batch, self._groups = fb, None
-        try:
+        with self.running(phase, before_layer, after_layer, after_attention):
             return stack(fb.input_ids, fb.positions, fb)
-        finally:
-            self.batch, self._groups = None, None
 
     def row_groups(self) -> list[AttnGroup]:
         """The running phase batch's sub-requests grouped by request row
         (``attention.row_groups``), built on the first layer and reused by the others."""
-        assert self.batch is not None, "no phase batch is running"
-        if self._groups is None:
-            fb = self.batch
-            self._groups = row_groups(
+        ctx = self.context
+        assert ctx is not None, "no phase batch is running"
+        if ctx.groups is None:
+            fb = ctx.batch
+            ctx.groups = row_groups(
                 fb.req_pool_indices_cpu.tolist(),  # host copy: no device read
                 list(fb.extend_prefix_lens_cpu),
                 list(fb.extend_seq_lens_cpu),
                 self.req_to_token,
             )
-        return self._groups
+        return ctx.groups
 
     def scratch_rows(self, n: int) -> list[int] | None:
         """``n`` free rows of SGLang's request table for phase 1 (None when fewer are
@@ -341,18 +393,25 @@ class PhaseRunner:
         self.req_pool.free_rows(rows)
 
     def layer_start(self, layer: int) -> None:
-        """Called by the decoder-layer pre-hook during a phase forward."""
-        for fn in self.before_layer:
-            fn(layer)
+        """Called by the decoder-layer pre-hook (every forward; acts in a phase forward)."""
+        if self.context is not None:
+            for fn in self.context.before_layer:
+                fn(layer)
 
     def layer_end(self, layer: int) -> None:
-        """Called by the decoder-layer post-hook during a phase forward."""
-        for fn in self.after_layer:
-            fn(layer)
+        """Called by the decoder-layer post-hook (every forward; acts in a phase forward)."""
+        if self.context is not None:
+            for fn in self.context.after_layer:
+                fn(layer)
 
-    def attention_end(self, layer: int, module: Any, q: torch.Tensor | None) -> None:
-        """Called after decoder layer ``layer``'s RadixAttention during a phase forward."""
-        if self.batch is None:
-            return
-        for fn in self.after_attention:
-            fn(layer, module, q)
+    def attention_end(
+        self,
+        layer: int,
+        module: Any,
+        q: torch.Tensor | None,  # [n, num_heads * head_dim]
+    ) -> None:
+        """Called after decoder layer ``layer``'s RadixAttention (every forward; acts in a
+        phase forward)."""
+        if self.context is not None:
+            for fn in self.context.after_attention:
+                fn(layer, module, q)

@@ -29,9 +29,10 @@ state never reach here: the gate runs them exact).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -131,9 +132,6 @@ class ChunkExecutor:
         self.admission = admission
         self._batch_admission = BatchAdmission(None)  # the batch under way's (``forward``)
         self.reduce = reduce
-        # Chunked requests of the batch being forwarded, by SGLang request id: set when the
-        # batch is prepared (``plugin._after_prepare_for_extend``), emptied by ``forward``.
-        self.handoff: dict[str, Pending] = {}
         self.promoter = Promoter(
             nodes,
             (lambda hit, ids: lower.load_full(hit, ids)) if lower is not None else _no_load,
@@ -147,12 +145,13 @@ class ChunkExecutor:
         stack: Stack,
         input_ids: torch.Tensor,  # [n] extend tokens of the live batch
         live: Any,  # the ForwardBatch SGLang built
+        handoff: Mapping[str, Pending],
     ) -> torch.Tensor | None:
         """The batch's hidden states # [n, hidden], or None to let SGLang run it as is.
-        ``stack(ids, pos, fb)`` is the decoder stack's own forward."""
+        ``stack(ids, pos, fb)`` is the decoder stack's own forward; ``handoff`` the verified
+        marks of the batch's chunked requests by request id (``PicRuntime.prepare_batch``)."""
         if len(self.promoter):
             self.promoter.finish_ready()
-        handoff, self.handoff = self.handoff, {}
         rids = live.rids
         if not handoff or rids is None:
             return None
@@ -504,11 +503,11 @@ class ChunkExecutor:
         phase = self.phases.prepare(live, subs, input_ids[take])
         for feed in feeds:
             feed.start()
-        self.phases.before_layer = [feed.before_layer for feed in feeds]
         try:
-            out = self._run("phase2", stack, phase)
+            out = self._run(
+                "phase2", stack, phase, before_layer=[feed.before_layer for feed in feeds]
+            )
         finally:
-            self.phases.before_layer = []
             for feed in feeds:
                 feed.close()
         for feed in feeds:
@@ -569,13 +568,8 @@ class ChunkExecutor:
         probe = DeviationProbe(self.kv.pool, self._slots(plan, p), reduce=self.reduce)
         ids = torch.tensor(toks[p:], dtype=torch.int64, device=self.kv.device)
         phase = self.phases.prepare(live, [SubRequest(plan.pool_idx, p, n - p)], ids)
-        self.phases.after_layer = [probe.after_layer]
-        try:
-            self._run("deviation", stack, phase)
-        except ProbeDone:
-            pass
-        finally:
-            self.phases.after_layer = []
+        with contextlib.suppress(ProbeDone):
+            self._run("deviation", stack, phase, after_layer=[probe.after_layer])
         if probe.deviation is None:
             raise RuntimeError("the deviation pass ended without reaching layer 1")
         dev = torch.zeros(n)  # host: planning
@@ -658,24 +652,21 @@ class ChunkExecutor:
             row += idx.numel()
         phase = self.phases.prepare(live, subs, torch.cat(ids).to(self.kv.device))
         self.metrics.probe_passes.inc()
-        self.phases.after_attention = [p.after_attention for p in probes.values()]
-        self.phases.after_attention.append(ProbeCut(layers).after_attention)
-        try:
-            self._run("probe", stack, phase)
-        except ProbeDone:
-            pass
-        finally:
-            self.phases.after_attention = []
+        hooks = [p.after_attention for p in probes.values()]
+        hooks.append(ProbeCut(layers).after_attention)
+        with contextlib.suppress(ProbeDone):
+            self._run("probe", stack, phase, after_attention=hooks)
         return dict(zip(probes, host_scores(list(probes.values())), strict=True))
 
-    def _run(self, kind: str, stack: Stack, phase: PhaseBatch) -> torch.Tensor:
-        """``phases.run``, counted by kind (``PicMetrics.phase_forwards``) before it runs,
-        so that a pass its probe cuts short counts too."""
+    def _run(self, kind: str, stack: Stack, phase: PhaseBatch, **callbacks: Any) -> torch.Tensor:
+        """``phases.run`` (with the layer and attention ``callbacks`` it takes), counted by
+        kind (``PicMetrics.phase_forwards``) before it runs, so that a pass its probe cuts
+        short counts too."""
         self.metrics.phase_forwards.labels(phase=kind).inc()
         tokens = sum(sub.extend for sub in phase.subrequests)
         self.metrics.phase_forward_tokens.labels(phase=kind).inc(tokens)
         self.metrics.phase_attended_keys.labels(phase=kind).inc(attended_keys(phase.subrequests))
-        return self.phases.run(stack, phase)
+        return self.phases.run(stack, phase, **callbacks)
 
     def _count_loaded(self, feed: LayerFeed) -> None:
         self.metrics.bytes_loaded.inc(feed.bytes_moved)

@@ -320,6 +320,7 @@ class Server:
         """One extend batch of chunked prompts (chunks, question), none with a device
         prefix; # [tokens, hidden]."""
         rows = self.req_pool.alloc_rows(len(prompts))
+        handoff: dict[str, Pending] = {}
         assert rows is not None
         ids: list[int] = []
         lens: list[int] = []
@@ -328,7 +329,7 @@ class Server:
             toks = [t for c in chunks for t in c] + question
             layout = PromptLayout.from_lengths([len(c) for c in chunks], len(question))
             rid = f"r{b}"
-            self.executor.handoff[rid] = Pending(PicRequest(layout, {}), tuple(toks))
+            handoff[rid] = Pending(PicRequest(layout, {}), tuple(toks))
             slots = self.alloc.alloc(len(toks))
             assert slots is not None
             self.req_pool.req_to_token[rows[b], : len(toks)] = slots.to(torch.int32)
@@ -349,7 +350,7 @@ class Server:
             req_pool_indices_cpu=torch.tensor(rows, dtype=torch.int64),
             rids=[f"r{b}" for b in range(len(prompts))],
         )
-        out = self.executor.forward(self.stack, live.input_ids, live)
+        out = self.executor.forward(self.stack, live.input_ids, live, handoff)
         assert out is not None and out.shape == (sum(lens), HIDDEN)
         self.req_pool.free_rows(rows)
         return out

@@ -211,7 +211,7 @@ def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> 
     ex.promoter = []  # nothing being promoted
     ex.metrics = SimpleNamespace(resumed=counter("resumed"), fallbacks=counter("fallbacks"))
     pending = _plan(spans=[[0, 4], [4, 8]], n=10).pending
-    ex.handoff = {"r": pending}
+    handoff = {"r": pending}
     live = SimpleNamespace(
         rids=["r"],
         req_pool_indices=torch.tensor([1]),
@@ -219,12 +219,11 @@ def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> 
         extend_seq_lens_cpu=[1 + 5],  # that token and 5 output tokens
         return_logprob=False,
     )
-    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
-    assert counts == {"resumed": 1, "fallbacks": 0} and ex.handoff == {}
+    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live, handoff) is None
+    assert counts == {"resumed": 1, "fallbacks": 0}
     # A chunked-prefill piece before the last is still a fallback.
-    ex.handoff = {"r": pending}
     live.extend_prefix_lens_cpu, live.extend_seq_lens_cpu = [0], [6]
-    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
+    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live, handoff) is None
     assert counts == {"resumed": 1, "fallbacks": 1}
 
 
