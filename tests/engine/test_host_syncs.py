@@ -122,6 +122,12 @@ def dev(t: torch.Tensor) -> torch.Tensor:
 # follow their inputs' (``device=x.device``), which propagation covers.
 DEVICE_MODULES = (
     "sgl_pic/engine/executor.py",
+    "sgl_pic/engine/forwards.py",
+    "sgl_pic/engine/lookup.py",
+    "sgl_pic/engine/phase1.py",
+    "sgl_pic/engine/signals.py",
+    "sgl_pic/engine/select.py",
+    "sgl_pic/engine/phase2.py",
     "sgl_pic/engine/kv_access.py",
     "sgl_pic/binding/phases.py",
     "sgl_pic/engine/query_probe.py",
