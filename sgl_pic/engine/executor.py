@@ -205,7 +205,7 @@ class ChunkExecutor:
         self.metrics.node_tokens.set(self.nodes.allocated_tokens)
         if self.admission is not None:
             self.metrics.admission_reuse_rate.set(self.admission.reuse_rate)
-        evictions = {"device": self.nodes.evicted_nodes}
+        evictions = {"device": self.nodes.eviction.evicted}
         if self.lower is not None:
             evictions["host"] = self.lower.store.host.stats().evictions
             evictions["disk"] = self.lower.store.disk.stats().evictions

@@ -269,7 +269,7 @@ def churn(policy: str, rounds: int = 6) -> tuple[int, int, int]:
             assert not use(t)
         hits += sum(use(t) for t in hot)
     novel_held = sum(table.match(t) is not None for t in last)
-    evicted = table.evicted_nodes
+    evicted = table.eviction.evicted
     assert_released(table, alloc)
     return hits, evicted, novel_held
 
