@@ -119,6 +119,9 @@ def graph_guarded(graph_runner: Any) -> bool:
 
 
 StackForward = Callable[..., Any]
+# Set on the wrapper function ``install`` puts on the stack (never on SGLang's objects): the
+# stack's own forward it wraps.
+WRAPPED = "__sgl_pic_wraps__"
 
 
 def install(
@@ -139,8 +142,8 @@ def install(
     on_bypass(fb): an extend batch the executor cannot take (input embeddings, pipeline
     tensors) runs as SGLang would."""
     stack = model_runner.model.model
-    if getattr(stack, "_sgl_pic_wrapped", False):
-        return
+    if getattr(stack.forward, WRAPPED, None) is not None:
+        return  # installed already: the wrapper (our function) names what it wraps
     original = stack.forward
 
     def forward(
@@ -165,8 +168,8 @@ def install(
             return original(input_ids, positions, forward_batch, *args, **kwargs)
         return hidden
 
+    setattr(forward, WRAPPED, original)
     stack.forward = forward
-    stack._sgl_pic_wrapped = True
     for i, layer in enumerate(stack.layers):
         layer.register_forward_pre_hook(lambda _m, _a, i=i: layer_start(i))
         layer.register_forward_hook(lambda _m, _a, _o, i=i: layer_end(i))
