@@ -7,13 +7,20 @@ verified marks of admitted requests (``gate.AdmittedMarks``, by request id), the
 of the batch being forwarded, the phase runner and the chunk executor. Nothing of it is
 kept on SGLang's objects.
 
-Its methods are split by the side that calls them, as a KV connector's are in vLLM v1:
+Its methods are split by the side that calls them, as a KV connector's are in vLLM v1
+(SGLang runs both sides in the scheduler process, on its one thread):
 
-- scheduler side (the scheduler's event loop, between forwards): ``admit`` each request
-  before SGLang queues it, ``prepare_batch`` each extend batch SGLang prepared;
-- worker side (the model runner's forward, on the same thread): ``on_extend`` and
-  ``on_bypass`` for the decoder stack's extend batches, ``torch_native_extend`` for a
-  phase batch's attention, ``keeps_off_prefill_graph`` before a prefill graph replay.
+Scheduler side: runs in the scheduler's event loop, between forwards.
+    admit()          - checks a request before SGLang queues it; honoured marks go into
+                       ``marks`` under its request id.
+    prepare_batch()  - makes an extend batch's hand-off: its requests with marks.
+    (request end)    - the radix cache drops the marks of a request SGLang finished or
+                       aborted (``ChunkRadixCache.on_request_done``).
+Worker side: runs in the model runner's forward.
+    on_extend()      - takes the hand-off and runs the batch's chunk execution, or None.
+    on_bypass()      - drops the hand-off of a batch the executor cannot take (counted).
+    runs_phase() / torch_native_extend() - torch_native attention for a phase batch.
+    keeps_off_prefill_graph() - whether a batch must skip SGLang's prefill CUDA graph.
 
 SGLang's hooks (``binding.hooks``) are registered when the plugin loads, before any
 runtime exists, and SGLang calls them with its own arguments only; so they find the
