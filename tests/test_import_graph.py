@@ -39,22 +39,7 @@ TREES = ("sgl_pic", "bench")
 
 # Strongly connected components allowed for now, as sets of module names, each with the
 # change that removes it (in files the change that introduced this test could not edit).
-ALLOWED: dict[frozenset[str], str] = {
-    # model_hooks.graph_guarded imports plugin._prefill_graph_hook (to recognise it on a
-    # runner's can_run_graph) while plugin.build_tree_cache imports model_hooks: both
-    # function-local. Removed by handing the hook in rather than importing it:
-    #   model_hooks.py: `def graph_guarded(graph_runner: Any, hook: Callable[..., Any])`
-    #     compares against `hook` (its `from sgl_pic.binding.plugin import` goes);
-    #     check_support's `prefill_graph_guarded` defaults to `lambda _runner: False` ("no
-    #     runner is guarded") instead of `graph_guarded`;
-    #   plugin.py build_tree_cache: `check_support(ctx, functools.partial(graph_guarded,
-    #     hook=_prefill_graph_hook))`;
-    #   tests/support/cuda_args.py (check_support(ctx) after plugin.register()) and
-    #   test_plugin_hooks.py (graph_guarded(runner)) pass the same hook.
-    frozenset(
-        {"sgl_pic.binding.model_hooks", "sgl_pic.binding.plugin"}
-    ): "model_hooks.graph_guarded should take the hook instead of importing plugin",
-}
+ALLOWED: dict[frozenset[str], str] = {}
 
 
 class Edge(NamedTuple):

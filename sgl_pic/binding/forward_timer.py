@@ -37,10 +37,6 @@ FORWARDS_METRIC = "sgl_pic_forwards"
 REQUESTS_METRIC = "sgl_pic_forward_requests"
 MODES = ("extend", "mixed", "decode", "other")
 
-_seconds: Any = None  # the Counter, made in the process that runs forwards (the scheduler)
-_counts: Counts | None = None  # the two count Counters, made there too
-_warned = False  # whether a failure to count was logged (once per process)
-
 
 def mode_of(forward_batch: Any) -> str:
     """The label of a forward: "decode", "mixed" (extend and decode rows together),
@@ -60,15 +56,6 @@ class Counts(NamedTuple):
     requests: Any  # prometheus Counter: requests in them by mode (a decode step's batch)
 
 
-def seconds_counter() -> Any:
-    """The counter, made on first use: SGLang sets PROMETHEUS_MULTIPROC_DIR before it
-    spawns the scheduler, so a counter made there is one /metrics reads."""
-    global _seconds
-    if _seconds is None:
-        _seconds = _mode_counter(METRIC, "Seconds in model-runner forwards, by kind")
-    return _seconds
-
-
 def _mode_counter(name: str, documentation: str) -> Any:
     """A Prometheus counter labelled by forward kind, every series present from the
     start, at 0."""
@@ -80,35 +67,54 @@ def _mode_counter(name: str, documentation: str) -> Any:
     return counter
 
 
-def count_counters() -> Counts:
-    """The forward and request counters, made on first use (as ``seconds_counter``)."""
-    global _counts
-    if _counts is None:
-        _counts = Counts(
-            _mode_counter(FORWARDS_METRIC, "Model-runner forwards, by kind"),
-            _mode_counter(REQUESTS_METRIC, "Requests in model-runner forwards, by kind"),
-        )
-    return _counts
+class ForwardTimer:
+    """The counters of one process and the hook that feeds them. ``plugin.register`` makes
+    one per process and registers its bound ``timed_forward`` with SGLang's HookRegistry,
+    which then holds it: no module state. Its counters are made on first use, in the
+    process that runs forwards (the scheduler): SGLang sets PROMETHEUS_MULTIPROC_DIR before
+    it spawns the scheduler, so counters made there are ones /metrics reads. Worker side:
+    called on the scheduler's forward thread."""
 
+    def __init__(self) -> None:
+        self._seconds: Any = None  # the seconds Counter, once made
+        self._counts: Counts | None = None  # the two count Counters, once made
+        self._warned = False  # whether a failure to count was logged
 
-def timed_forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-    """AROUND hook on ``ModelRunner.forward``: SGLang's forward, its seconds, itself and
-    its requests counted by kind, also when it raises."""
-    t0 = time.perf_counter()
-    try:
-        return original(runner, forward_batch, *args, **kw)
-    finally:
-        elapsed = time.perf_counter() - t0
+    def seconds_counter(self) -> Any:
+        """The seconds counter, made on first use."""
+        if self._seconds is None:
+            self._seconds = _mode_counter(METRIC, "Seconds in model-runner forwards, by kind")
+        return self._seconds
+
+    def count_counters(self) -> Counts:
+        """The forward and request counters, made on first use."""
+        if self._counts is None:
+            self._counts = Counts(
+                _mode_counter(FORWARDS_METRIC, "Model-runner forwards, by kind"),
+                _mode_counter(REQUESTS_METRIC, "Requests in model-runner forwards, by kind"),
+            )
+        return self._counts
+
+    def timed_forward(
+        self, original: Any, runner: Any, forward_batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        """AROUND hook on ``ModelRunner.forward``: SGLang's forward, its seconds, itself
+        and its requests counted by kind, also when it raises."""
+        t0 = time.perf_counter()
         try:
-            mode = mode_of(forward_batch)
-            seconds_counter().labels(mode=mode).inc(elapsed)
-            counts = count_counters()
-            counts.forwards.labels(mode=mode).inc()
-            counts.requests.labels(mode=mode).inc(int(getattr(forward_batch, "batch_size", 0) or 0))
-        except Exception:
-            # A metric that cannot be written (its multiprocess file, say) must not stop
-            # the scheduler: SGLang ends the server when a scheduler raises.
-            global _warned
-            if not _warned:
-                _warned = True
-                logger.exception("sgl_pic: forward seconds not counted")
+            return original(runner, forward_batch, *args, **kw)
+        finally:
+            elapsed = time.perf_counter() - t0
+            try:
+                mode = mode_of(forward_batch)
+                self.seconds_counter().labels(mode=mode).inc(elapsed)
+                counts = self.count_counters()
+                counts.forwards.labels(mode=mode).inc()
+                size = int(getattr(forward_batch, "batch_size", 0) or 0)
+                counts.requests.labels(mode=mode).inc(size)
+            except Exception:
+                # A metric that cannot be written (its multiprocess file, say) must not
+                # stop the scheduler: SGLang ends the server when a scheduler raises.
+                if not self._warned:
+                    self._warned = True
+                    logger.exception("sgl_pic: forward seconds not counted")

@@ -30,6 +30,7 @@ Never raises: a failure inside the gate means exact prefill for that request.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,9 @@ from sgl_pic.layout import LayoutError
 
 logger = logging.getLogger(__name__)
 
-# Where an admitted request's verified marks wait for its extend batch (see ``Pending``).
-PENDING_ATTR = "_sgl_pic_pending"
+# Admitted requests whose marks wait at once, at most: far more than SGLang's running and
+# waiting requests together; past it the oldest entry goes (that request runs exact).
+MAX_ADMITTED = 1 << 16
 # Requests claiming one of our namespaces without verified marks are moved under this one,
 # which only ever holds exact KV of such requests.
 UNTRUSTED_NAMESPACE = "untrusted-namespace:"
@@ -71,6 +73,43 @@ class Pending:
     token_ids: tuple[int, ...]
     namespace: str = DEFAULT_NAMESPACE
     readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
+
+
+class AdmittedMarks:
+    """Verified marks of admitted requests, by SGLang request id (rid), from admission
+    until the request ends. The gate puts them (scheduler side, ``AdmissionGate.admit``);
+    the runtime reads them for each batch SGLang prepares (a request keeps its marks over
+    every extend it takes: chunked-prefill pieces, a resume after a retraction); the radix
+    cache drops them when SGLang releases a finished request's KV or releases an aborted
+    one (``ChunkRadixCache``), so entries of requests that end without an extend do not
+    pile up. ``capacity`` bounds it besides: past it the oldest entry goes, counted in
+    ``dropped`` (its request runs exact). All calls come from the scheduler's thread."""
+
+    def __init__(self, capacity: int = MAX_ADMITTED) -> None:
+        self.capacity = capacity
+        self.dropped = 0
+        self._by_rid: OrderedDict[str, Pending] = OrderedDict()
+
+    def put(self, rid: str, pending: Pending) -> None:
+        self._by_rid[rid] = pending
+        self._by_rid.move_to_end(rid)
+        while len(self._by_rid) > self.capacity:
+            old, _ = self._by_rid.popitem(last=False)
+            self.dropped += 1
+            logger.warning("sgl_pic: marks of request %s dropped (%d waiting)", old, self.capacity)
+
+    def get(self, rid: str) -> Pending | None:
+        return self._by_rid.get(rid)
+
+    def drop(self, rid: str) -> None:
+        """Forgets ``rid``'s marks (none held: nothing happens)."""
+        self._by_rid.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._by_rid
 
 
 def namespace(
@@ -127,7 +166,9 @@ class AdmissionGate:
     tenants: which namespaces a request asking for the public scope may read (none by
     default).
     deleter: executes signed deletion orders (``deleter.Deleter``); None where this process
-    keeps no chunk KV (reuse off): orders are then refused."""
+    keeps no chunk KV (reuse off): orders are then refused.
+    marks: where honoured marks go, by request id (``AdmittedMarks``; a fresh one if
+    None). Scheduler side: ``admit`` runs on the scheduler's thread."""
 
     def __init__(
         self,
@@ -138,8 +179,10 @@ class AdmissionGate:
         calibrated_r: bool = False,
         tenants: TenantPolicy | None = None,
         deleter: Any = None,
+        marks: AdmittedMarks | None = None,
     ) -> None:
         self.config = config
+        self.marks = marks if marks is not None else AdmittedMarks()
         self.deleter = deleter
         self.tenants = tenants or TenantPolicy()
         self.signer = signer
@@ -149,8 +192,8 @@ class AdmissionGate:
 
     def admit(self, req: Any) -> str | None:
         """Checks SGLang's ``Req`` before it is queued: an error message to refuse it with,
-        or None. Rewrites ``req.extra_key`` and its custom params, and attaches ``Pending``
-        (``PENDING_ATTR``) to a request whose marks are honoured."""
+        or None. Rewrites ``req.extra_key`` and its custom params, and puts a request's
+        ``Pending`` into ``marks`` under its rid when its marks are honoured."""
         try:
             return self._admit(req)
         except Exception:  # noqa: BLE001 - a request must never stop the scheduler
@@ -233,7 +276,7 @@ class AdmissionGate:
         )
         generation = self.deleter.generation if self.deleter is not None else 0
         req.extra_key = namespace(config, extra, calibrated, generation)
-        setattr(req, PENDING_ATTR, Pending(pic, tuple(ids), own, readable))
+        self.marks.put(req.rid, Pending(pic, tuple(ids), own, readable))
         return None
 
     def _command(self, req: Any, custom: Any) -> str:
@@ -275,5 +318,6 @@ class AdmissionGate:
         extra = getattr(req, "extra_key", None)
         if isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX):
             req.extra_key = UNTRUSTED_NAMESPACE + extra
-        if hasattr(req, PENDING_ATTR):
-            delattr(req, PENDING_ATTR)
+        rid = getattr(req, "rid", None)
+        if isinstance(rid, str):
+            self.marks.drop(rid)

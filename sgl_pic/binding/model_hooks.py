@@ -31,7 +31,7 @@ __all__ = ["SUPPORTED_BACKENDS", "Support", "check_support", "install", "sglang_
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # SGLang's prefill graph runner; batches with chunked requests are kept off it by
-# ``plugin._prefill_graph_hook`` on its ``can_run_graph``.
+# ``hooks.prefill_graph_hook`` on its ``can_run_graph``.
 PREFILL_GRAPH_RUNNER = "PrefillCudaGraphRunner"
 
 
@@ -99,12 +99,12 @@ def check_support(ctx: Any, prefill_graph_guarded: Callable[[Any], bool] | None 
 
 
 def graph_guarded(graph_runner: Any) -> bool:
-    """Whether ``plugin._prefill_graph_hook`` wraps the ``can_run_graph`` this prefill
+    """Whether ``hooks.prefill_graph_hook`` wraps the ``can_run_graph`` this prefill
     graph runner's class resolves to (SGLang's HookRegistry applies it as an AROUND
     wrapper whose ``__wrapped__`` chain leads to the original)."""
     import inspect
 
-    from sgl_pic.binding.plugin import _prefill_graph_hook
+    from sgl_pic.binding.hooks import prefill_graph_hook
 
     fn = getattr(type(graph_runner), "can_run_graph", None)
     while callable(fn):
@@ -112,13 +112,16 @@ def graph_guarded(graph_runner: Any) -> bool:
             hooks = inspect.getclosurevars(fn).nonlocals.values()
         except TypeError:  # a builtin or C callable: no closure to read
             return False
-        if any(h is _prefill_graph_hook for h in hooks):
+        if any(h is prefill_graph_hook for h in hooks):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
 
 
 StackForward = Callable[..., Any]
+# Set on the wrapper function ``install`` puts on the stack (never on SGLang's objects): the
+# stack's own forward it wraps.
+WRAPPED = "__sgl_pic_wraps__"
 
 
 def install(
@@ -139,8 +142,8 @@ def install(
     on_bypass(fb): an extend batch the executor cannot take (input embeddings, pipeline
     tensors) runs as SGLang would."""
     stack = model_runner.model.model
-    if getattr(stack, "_sgl_pic_wrapped", False):
-        return
+    if getattr(stack.forward, WRAPPED, None) is not None:
+        return  # installed already: the wrapper (our function) names what it wraps
     original = stack.forward
 
     def forward(
@@ -165,8 +168,8 @@ def install(
             return original(input_ids, positions, forward_batch, *args, **kwargs)
         return hidden
 
+    setattr(forward, WRAPPED, original)
     stack.forward = forward
-    stack._sgl_pic_wrapped = True
     for i, layer in enumerate(stack.layers):
         layer.register_forward_pre_hook(lambda _m, _a, i=i: layer_start(i))
         layer.register_forward_hook(lambda _m, _a, _o, i=i: layer_end(i))

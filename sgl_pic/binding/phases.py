@@ -27,13 +27,39 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
-from itertools import accumulate
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 
 from sgl_pic.binding.attention import AttnGroup, row_groups
+from sgl_pic.binding.phase_batch import (
+    PhaseBatch,
+    SubRequest,
+    attended_keys,
+    build_phase_batch,
+    pinnable,
+    to_device,
+)
+
+# The phase batch's types and builder live in ``phase_batch``; named here too, where
+# callers have always found them.
+__all__ = [
+    "AttentionFn",
+    "LayerFn",
+    "PhaseBatch",
+    "PhaseContext",
+    "PhaseRunner",
+    "Run",
+    "SubRequest",
+    "attended_keys",
+    "build_phase_batch",
+    "extend_backend",
+    "pinnable",
+    "runs_of",
+    "to_device",
+]
 
 
 class Run(NamedTuple):
@@ -41,48 +67,6 @@ class Run(NamedTuple):
 
     start: int
     end: int
-
-
-class SubRequest(NamedTuple):
-    """Queries at positions prefix..prefix+extend-1 of ``req_to_token[pool_idx]``; keys
-    are that row's first prefix+extend slots, and the queries' K/V go to the row's slots
-    prefix..prefix+extend-1."""
-
-    pool_idx: int
-    prefix: int
-    extend: int
-
-
-def attended_keys(subs: Sequence[SubRequest]) -> int:
-    """Keys the queries of ``subs`` attend, summed: a query at position p sees its row's
-    first p + 1 keys. Over the number of queries it is the attention work per computed
-    token, which for a prompt prefilled whole is (len + 1) / 2."""
-    return sum(s.extend * s.prefix + s.extend * (s.extend + 1) // 2 for s in subs)
-
-
-def pinnable(device: torch.device) -> bool:
-    """Whether copies to ``device`` go through pinned host memory: CUDA's only (on a CPU
-    "device" there is nothing to copy)."""
-    return device.type == "cuda"
-
-
-def to_device(
-    host: torch.Tensor,  # [...] host tensor
-    device: torch.device,
-) -> torch.Tensor:
-    """# [...] ``host`` on ``device``, without the host waiting: a copy from pageable
-    memory blocks until the stream reaches it, one from pinned memory with ``non_blocking``
-    does not (the caching host allocator keeps the pinned block until the copy has run)."""
-    if not pinnable(device):
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-class PhaseBatch(NamedTuple):
-    """What the attention backend is given for one phase forward (checked by tests)."""
-
-    forward_batch: Any  # sglang ForwardBatch
-    subrequests: tuple[SubRequest, ...]
 
 
 def runs_of(positions: torch.Tensor, merge_gap: int = 0) -> list[Run]:
@@ -99,115 +83,6 @@ def runs_of(positions: torch.Tensor, merge_gap: int = 0) -> list[Run]:
         else:
             runs.append([p, p + 1])
     return [Run(a, b) for a, b in runs]
-
-
-def build_phase_batch(
-    live: Any,  # the ForwardBatch SGLang built for this iteration
-    subrequests: Sequence[SubRequest],
-    input_ids: torch.Tensor,  # [sum extend] token ids, sub-request by sub-request
-    req_to_token: torch.Tensor,  # [max_reqs, max_len] SGLang's request-to-slot table
-    translator: Any | None,  # model_runner.kv_index_translator, or None (tests)
-) -> PhaseBatch:
-    """A new ForwardBatch (the live one is not changed) for ``subrequests``."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    device = live.input_ids.device
-    subs = tuple(subrequests)
-    prefix = [s.prefix for s in subs]
-    ext = [s.extend for s in subs]
-    seq = [p + e for p, e in zip(prefix, ext, strict=True)]
-    if input_ids.numel() != sum(ext):
-        raise ValueError(f"{input_ids.numel()} input ids for {sum(ext)} extend tokens")
-    out_loc = torch.cat([req_to_token[s.pool_idx, s.prefix : s.prefix + s.extend] for s in subs])
-    pool_idx = [s.pool_idx for s in subs]
-    # Every per-batch tensor the host knows, made on the host and sent in one copy (each
-    # ``torch.tensor(..., device=)`` would be a blocking copy from pageable memory).
-    # Positions first: the one long field starts the buffer, aligned.
-    starts = [0, *accumulate(ext)][: len(subs)]
-    fields = pool_idx + seq + prefix + ext + starts
-    meta = torch.tensor(fields, dtype=torch.int64)  # host: sent in one copy
-    n = len(subs)
-    ext_h, starts_h = meta[3 * n : 4 * n], meta[4 * n :]
-    # Batch row t of sub-request j is its token t - start_j: position prefix_j + t - start_j.
-    shift = torch.repeat_interleave(meta[2 * n : 3 * n] - starts_h, ext_h)
-    pos = torch.arange(sum(ext), dtype=torch.int64) + shift  # host: sent with meta
-    on_dev = to_device(torch.cat([pos, meta]), device).split([pos.numel(), n, n, n, n, n])
-    pos_d, rows_d, seq_d, prefix_d, ext_d, start_d = on_dev
-    seq_dtype = live.seq_lens.dtype
-    ext_t = ext_d.to(torch.int32)
-    fb = dataclasses.replace(
-        live,
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=len(subs),
-        input_ids=input_ids.to(device=device, dtype=live.input_ids.dtype),
-        req_pool_indices=rows_d.to(live.req_pool_indices.dtype),
-        req_pool_indices_cpu=torch.tensor(pool_idx, dtype=torch.int64),  # host: SGLang's own
-        seq_lens=seq_d.to(seq_dtype),
-        seq_lens_cpu=torch.tensor(seq, dtype=seq_dtype),  # host: SGLang keeps it on the host
-        orig_seq_lens=seq_d.to(seq_dtype, copy=True),
-        seq_lens_sum=sum(seq),
-        out_cache_loc=out_loc.to(device=device, dtype=live.out_cache_loc.dtype),
-        origin_out_cache_loc=None,
-        out_cache_loc_virtual=None,
-        kv_loc_plan=None,
-        kv_loc_cols=None,
-        positions=pos_d,
-        extend_num_tokens=sum(ext),
-        extend_seq_lens=ext_t,
-        extend_prefix_lens=prefix_d.to(torch.int32),
-        extend_start_loc=start_d.to(torch.int32),
-        extend_prefix_lens_cpu=prefix,
-        extend_seq_lens_cpu=ext,
-        extend_logprob_start_lens_cpu=ext,
-        extend_input_logprob_token_ids_gpu=None,
-        return_logprob=False,
-        top_logprobs_nums=None,
-        token_ids_logprobs=None,
-        lora_ids=None,
-        rids=None,
-        mrope_positions=None,
-        input_embeds=None,
-        forward_metadata_ready=False,
-        forward_metadata_planned_bs=None,
-        forward_metadata_planned_num_tokens=None,
-        token_indices_to_pool=None,
-        is_extend_in_batch=True,
-        next_token_logits_buffer=None,
-        # Per-batch state the phase batch does not share with the live one: split
-        # batches, context parallelism, multimodal and multi-item inputs, a caller's
-        # attention output buffer, token-padding counts (recounted below).
-        tbo_split_seq_index=None,
-        tbo_children=None,
-        tbo_parent_token_range=None,
-        tbo_padded_len=None,
-        attn_cp_metadata=None,
-        attn_dcp_metadata=None,
-        dcp_kv_mask=None,
-        multi_item_delimiter_indices=None,
-        mm_inputs=None,
-        mm_token_modalities=None,
-        replace_embeds=None,
-        replace_positions=None,
-        token_type_ids=None,
-        encoder_lens=None,
-        spec_info=None,
-        ngram_embedding_info=None,
-        aux_hidden_states_buffer=None,
-        hidden_states=None,
-        residual=None,
-        _attn_output=None,
-        num_token_non_padded=None,
-        global_num_token_non_padded=None,
-        global_num_token_non_padded_cpu=None,
-    )
-    if translator is not None:
-        translator.own_plan(fb).bind(fb, translator)
-    if getattr(live, "global_num_token_non_padded", None) is not None:
-        # Set by SGLang only where token padding is masked (MoE all-to-all): recount.
-        fb._init_num_token_non_padded(device=device, is_draft_worker=False)
-    if getattr(live, "global_num_token_non_padded_cpu", None) is not None:
-        fb.global_num_token_non_padded_cpu = sum(ext)
-    return PhaseBatch(fb, subs)
 
 
 _HYBRID = "sglang.srt.layers.attention.hybrid_attn_backend"
@@ -232,13 +107,41 @@ def extend_backend(backend: Any) -> Any:  # sglang AttentionBackend
     return backend
 
 
+LayerFn = Callable[[int], None]
+# (layer, RadixAttention, its post-RoPE queries # [n, heads * head_dim])
+AttentionFn = Callable[[int, Any, "torch.Tensor | None"], None]
+
+
+@dataclasses.dataclass
+class PhaseContext:
+    """The state of the phase forward under way: the one thing the decoder-layer and
+    attention hooks read (``PhaseRunner.layer_start`` / ``layer_end`` / ``attention_end``
+    and the torch_native extend hook). It exists only inside ``PhaseRunner.running``,
+    which always takes it down again, so no callback or batch of one forward outlives it.
+
+    batch:          the phase batch's ForwardBatch (what the attention hooks act on).
+    before_layer:   called with l before decoder layer l (the layer feed's loads).
+    after_layer:    called with l after decoder layer l (CacheBlend's deviation probe).
+    after_attention: called after layer l's RadixAttention (the query probe).
+    groups:         the batch's sub-requests grouped by request row, built on the first
+                    layer that asks (``PhaseRunner.row_groups``) and reused by the others."""
+
+    batch: Any
+    before_layer: tuple[LayerFn, ...] = ()
+    after_layer: tuple[LayerFn, ...] = ()
+    after_attention: tuple[AttentionFn, ...] = ()
+    groups: list[AttnGroup] | None = None
+
+
 class PhaseRunner:
     """Runs phase batches through SGLang: the backend plans each one, then the model's
     decoder stack runs it. ``stack(ids, positions, forward_batch)`` is the decoder stack's
     original forward; ``backend`` the model runner's attention backend.
 
-    ``batch`` is the phase batch being forwarded (None between forwards): the attention
-    and layer hooks act only on it, so SGLang's own forwards never see phase state."""
+    ``context`` is the phase forward under way (None between forwards), set and reset only
+    by ``running``: the attention and layer hooks act only on it, so SGLang's own forwards
+    never see phase state. Worker side: every method runs on the scheduler's forward
+    thread."""
 
     def __init__(
         self,
@@ -253,12 +156,12 @@ class PhaseRunner:
         self.req_to_token = req_to_token
         self.translator = translator
         self.req_pool = req_pool
-        self.batch: Any | None = None
-        self._groups: list[AttnGroup] | None = None  # row_groups of ``batch``, once built
-        self.before_layer: list[Callable[[int], None]] = []
-        self.after_layer: list[Callable[[int], None]] = []
-        # (layer, RadixAttention, its post-RoPE queries # [n, heads * head_dim])
-        self.after_attention: list[Callable[[int, Any, torch.Tensor | None], None]] = []
+        self.context: PhaseContext | None = None
+
+    @property
+    def batch(self) -> Any | None:
+        """The ForwardBatch of the phase forward under way, None between them."""
+        return None if self.context is None else self.context.batch
 
     def prepare(
         self, live: Any, subrequests: Sequence[SubRequest], input_ids: torch.Tensor
@@ -297,32 +200,55 @@ class PhaseRunner:
             return None
         return int(self.req_pool.size)
 
+    @contextmanager
+    def running(
+        self,
+        phase: PhaseBatch,
+        before_layer: Sequence[LayerFn] = (),
+        after_layer: Sequence[LayerFn] = (),
+        after_attention: Sequence[AttentionFn] = (),
+    ) -> Iterator[PhaseContext]:
+        """The one way into a phase forward's context: sets it for ``phase`` with these
+        callbacks, and takes all of it down when the block ends, however it ends (an
+        exception, a probe cutting the pass short). Phase forwards never nest."""
+        if self.context is not None:
+            raise RuntimeError("sgl_pic: a phase forward is already under way")
+        self.context = PhaseContext(
+            phase.forward_batch, tuple(before_layer), tuple(after_layer), tuple(after_attention)
+        )
+        try:
+            yield self.context
+        finally:
+            self.context = None
+
     def run(
         self,
         stack: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
         phase: PhaseBatch,
+        before_layer: Sequence[LayerFn] = (),
+        after_layer: Sequence[LayerFn] = (),
+        after_attention: Sequence[AttentionFn] = (),
     ) -> torch.Tensor:
-        """# [sum extend, hidden] the decoder stack's output over ``phase``."""
+        """# [sum extend, hidden] the decoder stack's output over ``phase``, the callbacks
+        called by the layer and attention hooks during it (``running``)."""
         fb = phase.forward_batch
-        self.batch, self._groups = fb, None
-        try:
+        with self.running(phase, before_layer, after_layer, after_attention):
             return stack(fb.input_ids, fb.positions, fb)
-        finally:
-            self.batch, self._groups = None, None
 
     def row_groups(self) -> list[AttnGroup]:
         """The running phase batch's sub-requests grouped by request row
         (``attention.row_groups``), built on the first layer and reused by the others."""
-        assert self.batch is not None, "no phase batch is running"
-        if self._groups is None:
-            fb = self.batch
-            self._groups = row_groups(
+        ctx = self.context
+        assert ctx is not None, "no phase batch is running"
+        if ctx.groups is None:
+            fb = ctx.batch
+            ctx.groups = row_groups(
                 fb.req_pool_indices_cpu.tolist(),  # host copy: no device read
                 list(fb.extend_prefix_lens_cpu),
                 list(fb.extend_seq_lens_cpu),
                 self.req_to_token,
             )
-        return self._groups
+        return ctx.groups
 
     def scratch_rows(self, n: int) -> list[int] | None:
         """``n`` free rows of SGLang's request table for phase 1 (None when fewer are
@@ -341,18 +267,25 @@ class PhaseRunner:
         self.req_pool.free_rows(rows)
 
     def layer_start(self, layer: int) -> None:
-        """Called by the decoder-layer pre-hook during a phase forward."""
-        for fn in self.before_layer:
-            fn(layer)
+        """Called by the decoder-layer pre-hook (every forward; acts in a phase forward)."""
+        if self.context is not None:
+            for fn in self.context.before_layer:
+                fn(layer)
 
     def layer_end(self, layer: int) -> None:
-        """Called by the decoder-layer post-hook during a phase forward."""
-        for fn in self.after_layer:
-            fn(layer)
+        """Called by the decoder-layer post-hook (every forward; acts in a phase forward)."""
+        if self.context is not None:
+            for fn in self.context.after_layer:
+                fn(layer)
 
-    def attention_end(self, layer: int, module: Any, q: torch.Tensor | None) -> None:
-        """Called after decoder layer ``layer``'s RadixAttention during a phase forward."""
-        if self.batch is None:
-            return
-        for fn in self.after_attention:
-            fn(layer, module, q)
+    def attention_end(
+        self,
+        layer: int,
+        module: Any,
+        q: torch.Tensor | None,  # [n, num_heads * head_dim]
+    ) -> None:
+        """Called after decoder layer ``layer``'s RadixAttention (every forward; acts in a
+        phase forward)."""
+        if self.context is not None:
+            for fn in self.context.after_attention:
+                fn(layer, module, q)

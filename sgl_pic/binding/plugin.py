@@ -4,9 +4,11 @@
 in every process (scheduler included) and then applies the hooks. It is idempotent, so
 ``python -m sgl_pic.launch_server`` may also call it where no entry point is installed.
 
-Every hook passes straight through to SGLang unless the ``sgl_pic`` backend was built in
-that process, so installing the plugin never changes a server that does not select it. One
-hook only reads the clock, in every server (``forward_timer``: seconds in forwards by kind).
+``build_tree_cache`` (the backend's factory) builds this scheduler process's
+``PicRuntime``, the one owner of its state; the hooks (``binding.hooks``) pass straight
+through to SGLang unless it was built in that process, so installing the plugin never
+changes a server that does not select it. One hook only reads the clock, in every server
+(``forward_timer``: seconds in forwards by kind).
 """
 
 from __future__ import annotations
@@ -17,63 +19,47 @@ from typing import Any
 
 import torch
 
-from sgl_pic.binding.forward_timer import FORWARD_TARGET, timed_forward
+from sgl_pic.binding import hooks
+from sgl_pic.binding.forward_timer import FORWARD_TARGET, ForwardTimer
 from sgl_pic.binding.settings import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
-_registered = False
-_executor: Any = None  # ChunkExecutor of this scheduler process, once the backend is built
-_gate: Any = None  # AdmissionGate of this scheduler process, once the backend is built
-_phases: Any = None  # PhaseRunner of this scheduler process
-
-# torch_native's extend, for phase batches only (``attention.torch_native_phase_extend``).
-TORCH_NATIVE_EXTEND = (
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
-)
-PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
-# Called by the scheduler on every generate request before it is queued (the patch
-# reaches the scheduler's own ``from ... import`` binding through HookRegistry).
-ADMIT_TARGET = "sglang.srt.managers.utils.validate_input_length"
-# Asked by ``ModelRunner._forward_raw`` of every extend batch before it replays a prefill
-# CUDA graph (SGLang 0.5.23 captures breakable ones by default on CUDA).
-PREFILL_GRAPH_TARGET = (
-    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
-    "PrefillCudaGraphRunner.can_run_graph"
-)
-
 
 def register() -> None:
-    global _registered
-    if _registered:
-        return
-    _registered = True
+    """Registers the backend and the hooks, once per process: a second call finds the
+    backend registered and does nothing."""
     from sglang.srt.mem_cache.registry import (
         get_radix_cache_factory,
         register_radix_cache_backend,
     )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if get_radix_cache_factory(BACKEND_NAME) is None:
-        register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
-    HookRegistry.register(TORCH_NATIVE_EXTEND, _torch_native_extend_hook, HookType.AROUND)
-    HookRegistry.register(PREPARE_TARGET, _after_prepare_for_extend, HookType.AFTER)
-    HookRegistry.register(ADMIT_TARGET, _admit_hook, HookType.AROUND)
-    HookRegistry.register(FORWARD_TARGET, timed_forward, HookType.AROUND)
-    HookRegistry.register(PREFILL_GRAPH_TARGET, _prefill_graph_hook, HookType.AROUND)
+    if get_radix_cache_factory(BACKEND_NAME) is not None:
+        return
+    register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+    HookRegistry.register(
+        hooks.TORCH_NATIVE_EXTEND, hooks.torch_native_extend_hook, HookType.AROUND
+    )
+    HookRegistry.register(hooks.PREPARE_TARGET, hooks.after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register(hooks.ADMIT_TARGET, hooks.admit_hook, HookType.AROUND)
+    # The registry holds the timer (and through it its counters): no module state.
+    HookRegistry.register(FORWARD_TARGET, ForwardTimer().timed_forward, HookType.AROUND)
+    HookRegistry.register(hooks.PREFILL_GRAPH_TARGET, hooks.prefill_graph_hook, HookType.AROUND)
 
 
 def build_tree_cache(ctx: Any) -> Any:
     """Radix cache factory: SGLang's own tree plus chunk nodes (``ChunkRadixCache``), the
-    host and disk tiers under them, and the executor that uses them."""
-    global _executor, _gate, _phases
+    host and disk tiers under them, the executor that uses them, and the process's
+    ``PicRuntime`` that owns them (``runtime.set_current``)."""
     from sgl_pic.binding import radix_cache
     from sgl_pic.binding.fingerprint import server_fingerprint
-    from sgl_pic.binding.gate import AdmissionGate
+    from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks
     from sgl_pic.binding.metrics import PicMetrics
     from sgl_pic.binding.model_hooks import Support, check_support, install
     from sgl_pic.binding.model_rope import ModelRope, find_rotary, rope_spec
     from sgl_pic.binding.phases import PhaseRunner
+    from sgl_pic.binding.runtime import PicRuntime, set_current
     from sgl_pic.binding.self_check import check_page_size
     from sgl_pic.binding.settings import PicServerSettings
     from sgl_pic.engine.chunk_nodes import ChunkNodeTable
@@ -88,6 +74,7 @@ def build_tree_cache(ctx: Any) -> Any:
     settings = PicServerSettings.from_env()
     vocab_size = int(ctx.model_config.vocab_size)
     metrics = PicMetrics()
+    marks = AdmittedMarks()
     # Checked before anything is built: a model or backend the method does not cover is
     # served exactly, with reuse off, a log line and a metric.
     support = check_support(ctx)
@@ -104,7 +91,8 @@ def build_tree_cache(ctx: Any) -> Any:
             support.detail,
         )
         metrics.unsupported.labels(reason=support.reason).set(1)
-        _gate = AdmissionGate(settings.config, None, vocab_size, metrics)
+        gate = AdmissionGate(settings.config, None, vocab_size, metrics, marks=marks)
+        set_current(PicRuntime(gate, metrics))
         # SGLang's own tree, built as it would build it: its tiers, connectors and
         # model-specific caches then work as without sgl_pic.
         from sglang.srt.mem_cache.registry import default_radix_cache_factory
@@ -132,7 +120,8 @@ def build_tree_cache(ctx: Any) -> Any:
             settings.namespace_max_tokens(capacity),
         )
 
-    cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set)
+    # Marks of requests SGLang ends (finished or aborted) are dropped by the cache.
+    cache = radix_cache.build(ctx, make_table, metrics.node_tokens.set, marks.drop)
     assert cache.chunk_nodes is not None
     runner = ctx.tp_worker.model_runner
     hf = ctx.model_config.hf_config
@@ -158,19 +147,19 @@ def build_tree_cache(ctx: Any) -> Any:
             "sgl_pic: no mark-signing secret (not started by python -m sgl_pic.launch_server); "
             "chunk marks are not honoured and every request runs as exact prefill"
         )
-    _phases = PhaseRunner(
+    phases = PhaseRunner(
         runner.attn_backend,
         ctx.params.req_to_token_pool.req_to_token,
         getattr(runner, "kv_index_translator", None),
         ctx.params.req_to_token_pool,
     )
     deleter = Deleter(cache.chunk_nodes, cache, lower.store if lower is not None else None, metrics)
-    _executor = ChunkExecutor(
+    executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,
         kv,
         metrics,
-        _phases,
+        phases,
         lower=lower,
         ratios=ratios,
         feed_mode=settings.feed_mode,
@@ -180,16 +169,28 @@ def build_tree_cache(ctx: Any) -> Any:
         reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
         sync_deletions=deleter.sync if lower is not None else None,
     )
+    signer = MarkSigner(settings.secret) if settings.secret else None
+    gate = AdmissionGate(
+        settings.config,
+        signer,
+        vocab_size,
+        metrics,
+        ratios is not None,
+        tenant_policy(settings),
+        deleter,
+        marks,
+    )
+    runtime = PicRuntime(gate, metrics, executor, phases)
     if shutdown is not None:
         # The promoter reads from the tiers: its worker is joined before they stop.
-        shutdown.before.append(_executor.close)
+        shutdown.before.append(runtime.close)
     install(
         runner,
-        _on_extend,
-        _phases.layer_start,
-        _phases.layer_end,
-        _on_bypass,
-        _phases.attention_end,
+        runtime.on_extend,
+        phases.layer_start,
+        phases.layer_end,
+        runtime.on_bypass,
+        phases.attention_end,
     )
     if (
         type(getattr(runner, "prefill_cuda_graph_runner", None)).__name__
@@ -199,16 +200,7 @@ def build_tree_cache(ctx: Any) -> Any:
             "sgl_pic: SGLang's prefill CUDA graphs stay on for batches without chunked "
             "requests; batches with chunked requests run eagerly"
         )
-    signer = MarkSigner(settings.secret) if settings.secret else None
-    _gate = AdmissionGate(
-        settings.config,
-        signer,
-        vocab_size,
-        metrics,
-        ratios is not None,
-        tenant_policy(settings),
-        deleter,
-    )
+    set_current(runtime)
     logger.info(
         "sgl_pic chunk cache ready: policy=%s, model %s, attention backend %s, chunk nodes up "
         "to %d of %d pool slots, host tier %d MiB, disk tier %s, %d layers, rotary dim %d (%s)",
@@ -338,123 +330,6 @@ def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = Non
         layout=spec.layout,
         device="cpu",
     )
-
-
-def _admit_hook(original: Any, req: Any, *args: Any, **kwargs: Any) -> str | None:
-    """SGLang's own input checks first; then, on a request SGLang accepts, the gate's."""
-    error = original(req, *args, **kwargs)
-    if error is not None or _gate is None:
-        return error
-    return _gate.admit(req)
-
-
-def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """Hands the batch's chunked requests to the executor, by SGLang's request id. The
-    hand-off is replaced per batch: SGLang forwards a batch right after preparing it, on
-    this thread, so nothing of an earlier batch may linger into this one."""
-    if _executor is None:
-        return result
-    from sgl_pic.binding.gate import PENDING_ATTR
-
-    handoff = {}
-    for req in batch.reqs:
-        pending = getattr(req, PENDING_ATTR, None)
-        if pending is None:
-            continue
-        if tuple(req.origin_input_ids) != pending.token_ids:
-            logger.warning(
-                "sgl_pic: request %s changed tokens after admission; it runs without reuse",
-                req.rid,
-            )
-            _executor.metrics.marks_ignored.labels(reason="tokens_changed").inc()
-            continue
-        handoff[req.rid] = pending
-    _executor.handoff = handoff
-    return result
-
-
-def _on_extend(
-    stack: Any,
-    input_ids: torch.Tensor,  # [n]
-    positions: torch.Tensor,  # [n]
-    forward_batch: Any,
-) -> torch.Tensor | None:
-    """The decoder stack's extend batches (``model_hooks.install``): chunk execution when
-    the batch carries chunked requests; None lets the stack run it as SGLang would."""
-    if _executor is None or _phases is None or _phases.batch is not None:
-        return None
-    if forward_batch.extend_prefix_lens_cpu is None:
-        return None
-    try:
-        return _executor.forward(stack, input_ids, forward_batch)
-    except Exception:
-        # SGLang kills the whole server when a scheduler raises. Running the batch as SGLang
-        # would rewrites every new token's KV from scratch, so whatever the failed attempt
-        # wrote is overwritten; the request is served without reuse and the failure counted.
-        logger.exception("sgl_pic: chunk execution failed; running the batch without reuse")
-        _executor.metrics.failures.inc()
-        _phases.before_layer, _phases.after_layer = [], []
-        _phases.batch = None
-        try:
-            # The backend was planned for a phase batch: plan it for the live one again.
-            _phases.backend.init_forward_metadata(forward_batch)
-        except Exception:
-            logger.exception("sgl_pic: re-planning the attention backend failed")
-        return None
-    # On success the backend's metadata describes the last phase batch; nothing after
-    # the decoder stack (the logits processor, sampling) reads it, and the next batch is
-    # planned afresh by SGLang.
-
-
-def _on_bypass(forward_batch: Any) -> None:
-    """An extend batch the executor cannot take (input embeddings, pipeline tensors): its
-    chunked requests run exact, counted."""
-    if _executor is not None and _executor.handoff:
-        logger.warning(
-            "sgl_pic: %d chunked request(s) in a batch with input embeddings run without reuse",
-            len(_executor.handoff),
-        )
-        _executor.metrics.fallbacks.inc(len(_executor.handoff))
-        _executor.handoff = {}
-
-
-def _torch_native_extend_hook(
-    original: Any,
-    backend: Any,
-    q: torch.Tensor,  # [n, num_heads * head_dim]
-    k: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
-    v: torch.Tensor | None,  # [n, num_kv_heads, head_dim]
-    layer: Any,
-    forward_batch: Any,
-    save_kv_cache: bool = True,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """AROUND hook on TorchNativeAttnBackend.forward_extend: SGLang's own path for every
-    batch but a phase batch of this process's executor."""
-    if _phases is None or forward_batch is not _phases.batch:
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-    from sgl_pic.binding.attention import torch_native_phase_extend
-
-    groups = _phases.row_groups()
-    return torch_native_phase_extend(backend, q, k, v, layer, forward_batch, groups, save_kv_cache)
-
-
-def _prefill_graph_hook(
-    original: Any, graph_runner: Any, forward_batch: Any, *a: Any, **kw: Any
-) -> bool:
-    """AROUND hook on PrefillCudaGraphRunner.can_run_graph: a batch carrying chunked
-    requests of this process's executor runs eagerly, where the decoder-stack wrapper hands
-    it to the executor (a replayed graph would bypass the wrapper and prefill it exactly);
-    every other batch is SGLang's decision. The eager path is the one SGLang itself takes
-    for batches its graphs cannot run, on the same attention backend, which every replay
-    plans afresh."""
-    handoff = _executor.handoff if _executor is not None else None
-    if handoff:
-        rids = getattr(forward_batch, "rids", None)
-        # No request ids: whether it carries chunked requests is unknown, so eager.
-        if rids is None or any(rid in handoff for rid in rids):
-            return False
-    return original(graph_runner, forward_batch, *a, **kw)
 
 
 def _tp_sum(t: torch.Tensor) -> torch.Tensor:

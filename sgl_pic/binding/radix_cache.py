@@ -23,20 +23,42 @@ class ChunkRadixCache(UnifiedRadixCache):
     """``chunk_nodes`` is attached right after construction (``attach``); until then the
     cache is SGLang's unchanged. ``on_chunk_change(allocated_tokens)``, if given, is called
     after SGLang's eviction or a flush frees chunk nodes (between batches, where the
-    executor's own count of them is not refreshed)."""
+    executor's own count of them is not refreshed). ``on_request_done(rid)``, if given, is
+    called when a request ends: SGLang releases a finished request's KV (``on_release``)
+    or drops an aborted one's cache state (``release_aborted_request``: aborted while
+    queued, refused by the queue limit), so per-request state kept for it elsewhere (its
+    admitted marks) goes with it. Both are scheduler side."""
 
     chunk_nodes: ChunkNodeTable | None = None
     on_chunk_change: Callable[[int], None] | None = None
+    on_request_done: Callable[[str], None] | None = None
 
     def attach(
-        self, table: ChunkNodeTable, on_chunk_change: Callable[[int], None] | None = None
+        self,
+        table: ChunkNodeTable,
+        on_chunk_change: Callable[[int], None] | None = None,
+        on_request_done: Callable[[str], None] | None = None,
     ) -> None:
         self.chunk_nodes = table
         self.on_chunk_change = on_chunk_change
+        self.on_request_done = on_request_done
 
     def _changed(self) -> None:
         if self.on_chunk_change is not None and self.chunk_nodes is not None:
             self.on_chunk_change(self.chunk_nodes.allocated_tokens)
+
+    # ----------------------------------------------------------------- request ends
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        # A retracted request releases its KV too, unfinished: it comes back with its
+        # marks (``executor``: resumed).
+        if self.on_request_done is not None and req.finished():
+            self.on_request_done(req.rid)
+
+    def release_aborted_request(self, request: Any) -> None:
+        super().release_aborted_request(request)
+        if self.on_request_done is not None:
+            self.on_request_done(request.rid)
 
     # ----------------------------------------------------------------- sizes
     def _chunk_evictable(self) -> int:
@@ -128,13 +150,14 @@ def build(
     ctx: Any,
     make_table: Callable[[Any], ChunkNodeTable],
     on_chunk_change: Callable[[int], None] | None = None,
+    on_request_done: Callable[[str], None] | None = None,
 ) -> ChunkRadixCache:
     """SGLang's unified radix cache built as ``ChunkRadixCache``, its chunk table attached
-    (``on_chunk_change``: ``ChunkRadixCache``)."""
+    (``on_chunk_change``, ``on_request_done``: ``ChunkRadixCache``)."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
     cache = create_unified_radix_cache(ctx, cache_class=ChunkRadixCache)
     if not isinstance(cache, ChunkRadixCache):
         raise RuntimeError(f"SGLang built {type(cache).__name__}, not the sgl_pic cache class")
-    cache.attach(make_table(cache.token_to_kv_pool_allocator), on_chunk_change)
+    cache.attach(make_table(cache.token_to_kv_pool_allocator), on_chunk_change, on_request_done)
     return cache

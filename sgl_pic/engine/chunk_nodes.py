@@ -11,10 +11,8 @@ Keys name the isolation namespace of the request that stored the chunk
 (``sgl_pic.engine.tenants``): a lookup finds only its own namespace's nodes.
 
 A node is immutable once inserted: hits are copied out into the request's own slots and
-re-rotated there. Eviction takes leaves only (a segment whose successor is held stays, or
-the successor could never hit again), never a locked node, in the table's policy order
-(``sgl_pic.store.eviction``: LRU, LFU, or GDSF, which weighs recency, hits and size so a
-stream of novel chunks does not push out the ones in steady use).
+re-rotated there. Eviction takes leaves only, never a locked node, in the table's policy
+order (``node_eviction.NodeEviction``).
 
 Fair share (``namespace_max_tokens``): no namespace holds more slots than its cap; an
 insert past it evicts only inside that namespace, and an insert short of room evicts the
@@ -31,9 +29,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sgl_pic.engine.node_eviction import NodeEviction
 from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
 from sgl_pic.store.deletion import Deletion, content_digest
-from sgl_pic.store.eviction import check_policy, gdsf_priority
 
 
 @dataclass
@@ -103,7 +101,8 @@ class ChunkNodeTable:
                ``page_size``); every slot a node holds came from it and returns to it.
     capacity_tokens: most slots the nodes may hold together; inserting beyond it evicts
                unlocked leaves first and gives up (returns None) if that is not enough.
-    policy:    eviction order among unlocked leaves: "lru", "lfu" or "gdsf".
+    policy:    eviction order among unlocked leaves: "lru", "lfu" or "gdsf" (``eviction``,
+               a ``NodeEviction``, applies it and counts the nodes it evicted).
     namespace_max_tokens: most slots one isolation namespace's nodes may hold (0: no cap);
                see the module's note on fair share.
 
@@ -124,16 +123,13 @@ class ChunkNodeTable:
         if namespace_max_tokens < 0:
             raise ValueError(f"namespace_max_tokens must be >= 0, got {namespace_max_tokens}")
         self.namespace_max_tokens = namespace_max_tokens
-        check_policy(policy)
-        self.policy = policy
-        self._age = 0.0  # GDSF's inflation value: the priority of the last node evicted
-        self.evicted_nodes = 0  # cumulative, for the metrics
         self.allocator = allocator
         self.fingerprint = fingerprint
         self.segment_tokens = segment_tokens
         self.capacity_tokens = capacity_tokens
         self.page_size = int(getattr(allocator, "page_size", 1) or 1)
         self._nodes: dict[str, ChunkNode] = {}
+        self.eviction = NodeEviction(self._nodes, self._remove, policy)  # type: ignore[arg-type]
         self._clock = itertools.count(1)
         self._allocated = 0
         self._locked = 0  # slots of nodes with lock_ref > 0
@@ -162,6 +158,10 @@ class ChunkNodeTable:
     def contains(self, key: str) -> bool:
         return key in self._nodes
 
+    def namespace_tokens(self, namespace: str) -> int:
+        """Slots the nodes of ``namespace`` hold."""
+        return self._by_namespace.get(namespace, 0)
+
     def tokens_by_namespace(self) -> dict[str, int]:
         """Slots held per isolation namespace (those holding any), deleted nodes still
         locked included."""
@@ -183,7 +183,7 @@ class ChunkNodeTable:
         for n in held:
             n.last_access = now
             n.hits += 1
-            n.priority = gdsf_priority(self._age, n.hits + 1, n.allocated)
+            n.priority = self.eviction.priority(n.hits + 1, n.allocated)
         rankings = [n.ranking for n in held]
         ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
         return ChunkHit(held, ranking)
@@ -209,27 +209,8 @@ class ChunkNodeTable:
         held = [self._nodes[k.digest] for k in keys if k.digest in self._nodes]
         self.lock(held)
         try:
-            own_over = 0
-            if self.namespace_max_tokens:
-                own_over = self._by_namespace.get(namespace, 0) + need - self.namespace_max_tokens
-                if own_over > self._evictable_in(namespace):
-                    return None
-            over = self._allocated + need - self.capacity_tokens
-            # Every unlocked node can go (locks cover whole chunks, so a locked node's
-            # ancestors are locked too): refuse before evicting anything if that is not
-            # enough, or the pool cannot give the slots even then.
-            if over > self.evictable_tokens:
+            if not self.eviction.make_room(self, need, namespace):
                 return None
-            short = need - (self.allocator.available_size() + max(over, 0))
-            if short > self.evictable_tokens - max(over, 0):
-                return None
-            if own_over > 0:
-                self._evict(own_over, only=namespace)
-                over = self._allocated + need - self.capacity_tokens
-                short = need - (self.allocator.available_size() + max(over, 0))
-            if over > 0 or short > 0:
-                cap = bool(self.namespace_max_tokens)
-                self._evict(max(over, 0) + max(short, 0), first=namespace if cap else None)
             slots = self.allocator.alloc(need)
         finally:
             self.unlock(held)
@@ -253,7 +234,7 @@ class ChunkNodeTable:
                 namespace=namespace,
                 content=content_digest(list(token_ids[k.start : k.end])),
                 last_access=now,
-                priority=gdsf_priority(self._age, 1, take),
+                priority=self.eviction.priority(1, take),
             )
             at += take
             self._nodes[k.digest] = node
@@ -290,65 +271,32 @@ class ChunkNodeTable:
             if n.lock_ref == 0:
                 self._locked -= n.allocated
                 if n.deleted:
-                    self._allocated -= n.allocated
-                    self._count_out(n)
-                    self.allocator.free(n.slots)
+                    self._free(n)
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_tokens: int) -> int:
         """Frees unlocked leaf nodes in policy order until ``num_tokens`` slots are back in
         the allocator or none is left; returns the slots freed."""
-        return self._evict(num_tokens)
+        return self.eviction.evict(num_tokens)
 
-    def _evict(self, num_tokens: int, only: str | None = None, first: str | None = None) -> int:
-        """``evict`` among nodes of namespace ``only`` (None: all), those of ``first``
-        before any other's."""
-        freed = 0
-        while freed < num_tokens:
-            victims = [
-                n
-                for n in self._nodes.values()
-                if n.lock_ref == 0 and n.children == 0 and (only is None or n.namespace == only)
-            ]
-            if not victims:
-                break
-            if first is None:
-                victims.sort(key=self._order)
-            else:
-                victims.sort(key=lambda n: (n.namespace != first, *self._order(n)))
-            for n in victims:
-                freed += self._remove(n)
-                self.evicted_nodes += 1
-                self._age = max(self._age, n.priority)
-                if freed >= num_tokens:
-                    break
-        return freed
+    def _remove(self, node: ChunkNode) -> int:
+        self._unlink(node)
+        return self._free(node)
 
-    def _evictable_in(self, namespace: str) -> int:
-        return sum(
-            n.allocated for n in self._nodes.values() if n.namespace == namespace and not n.lock_ref
-        )
+    def _unlink(self, node: ChunkNode) -> None:
+        """Takes ``node`` out of the index (its slots stay allocated)."""
+        del self._nodes[node.key]
+        if node.parent is not None and node.parent in self._nodes:
+            self._nodes[node.parent].children -= 1
 
-    def _count_out(self, node: ChunkNode) -> None:
+    def _free(self, node: ChunkNode) -> int:
+        """Gives the slots of a node out of the index back to the allocator."""
+        self._allocated -= node.allocated
         left = self._by_namespace.get(node.namespace, 0) - node.allocated
         if left > 0:
             self._by_namespace[node.namespace] = left
         else:
             self._by_namespace.pop(node.namespace, None)
-
-    def _order(self, node: ChunkNode) -> tuple[float, int]:
-        if self.policy == "gdsf":
-            return node.priority, node.last_access
-        if self.policy == "lfu":
-            return node.hits, node.last_access
-        return 0, node.last_access
-
-    def _remove(self, node: ChunkNode) -> int:
-        del self._nodes[node.key]
-        self._allocated -= node.allocated
-        self._count_out(node)
-        if node.parent is not None and node.parent in self._nodes:
-            self._nodes[node.parent].children -= 1
         self.allocator.free(node.slots)
         return node.allocated
 
@@ -377,9 +325,7 @@ class ChunkNodeTable:
             if node.lock_ref:
                 pending += node.allocated
                 node.deleted = True
-                del self._nodes[k]
-                if node.parent is not None and node.parent in self._nodes:
-                    self._nodes[node.parent].children -= 1
+                self._unlink(node)
             else:
                 self._remove(node)
         return NodeDeleteReport(len(doomed), tokens, pending)
@@ -396,5 +342,5 @@ class ChunkNodeTable:
         self._by_namespace.clear()
         self._allocated = 0
         self._locked = 0
-        self._age = 0.0
+        self.eviction.reset()
         self.generation += 1

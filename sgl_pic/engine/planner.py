@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -154,23 +154,35 @@ def classify(
     plan.forced = torch.cat(forced) if forced else none
 
 
+class Signals(Protocol):
+    """The online signals a policy may read of a plan, each # [prompt_len] over the
+    assembled KV: CacheBlend's deviation and the query-aware score. Computed only when a
+    policy asks (``signals.BatchSignals`` of the executor's batch; tests give arrays)."""
+
+    def deviation(self, plan: RequestPlan) -> torch.Tensor: ...
+
+    def query_attention(self, plan: RequestPlan) -> torch.Tensor: ...
+
+
 def select(
     plan: RequestPlan,
-    deviation: Callable[[], torch.Tensor],
+    signals: Signals,
     ratios: dict[str, float] | None = None,
-    query_attention: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Global positions phase 2 recomputes (# [k] int64, sorted, all >= prefix): the
     policy's choice, finalised (fresh tokens, the last token), plus the forced ones.
-    ``deviation()`` is CacheBlend's online pass and ``query_attention()`` the query-aware
-    probe; only policies that need them call them (inside the timed selection; the
-    executor runs the probe for all of a batch's requests at once beforehand, and adds that
-    pass's time to the selection's)."""
+    Only policies that need a signal read it from ``signals`` (inside the timed selection;
+    the executor runs the query probe for all of a batch's requests at once beforehand,
+    and adds that pass's time to the selection's)."""
     t0 = time.perf_counter()
     plan.config = calibrated(plan, ratios)
     policy = make_policy(plan.config)
     ctx = SelectionContext(
-        plan.layout, tuple(plan.rankings), deviation, plan.prefix, query_attention
+        plan.layout,
+        tuple(plan.rankings),
+        lambda: signals.deviation(plan),
+        plan.prefix,
+        lambda: signals.query_attention(plan),
     )
     chosen = finalize(policy.select(ctx), plan.layout, plan.prefix).indices
     assert plan.forced is not None and plan.stats is not None

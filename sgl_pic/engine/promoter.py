@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.engine.batch import BatchContext, Plans
 from sgl_pic.worker_threads import thread_pool
 
 logger = logging.getLogger(__name__)
@@ -121,3 +122,19 @@ class Promoter:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+class Promote:
+    """Step 7 of a chunked batch. Reads: each plan's lower-tier hits (those loaded sparsely
+    in phase 2 and those loaded whole for a signal). Writes: the promoter's jobs (each
+    chunk becomes a chunk node of its namespace once its full load is done)."""
+
+    def __init__(self, promoter: Promoter) -> None:
+        self.promoter = promoter
+
+    def run(self, plans: Plans, ctx: BatchContext) -> None:
+        for plan in plans.values():
+            for start, end, hit in plan.lower + plan.loaded_whole:
+                self.promoter.submit(
+                    hit, plan.pending.token_ids[start:end], hit.ranking, hit.namespace
+                )

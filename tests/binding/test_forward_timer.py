@@ -7,12 +7,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from sgl_pic.binding.forward_timer import MODES
 
 SCRIPT = """
 from types import SimpleNamespace
-from sgl_pic.binding.forward_timer import (
-    MODES, count_counters, mode_of, seconds_counter, timed_forward,
+from sgl_pic.binding.forward_timer import MODES, ForwardTimer, mode_of
+
+timer = ForwardTimer()
+timed_forward, seconds_counter, count_counters = (
+    timer.timed_forward, timer.seconds_counter, timer.count_counters,
 )
 
 class Mode:
@@ -89,10 +94,11 @@ class Broken:
     def labels(self, **kw):
         raise OSError("no space left on device")
 
-forward_timer._seconds = Broken()
+timer = forward_timer.ForwardTimer()
+timer._seconds = Broken()
 fb = SimpleNamespace(forward_mode=None)
-print(forward_timer.timed_forward(lambda runner, fb: "out", "runner", fb))
-print(forward_timer.timed_forward(lambda runner, fb: "again", "runner", fb))
+print(timer.timed_forward(lambda runner, fb: "out", "runner", fb))
+print(timer.timed_forward(lambda runner, fb: "again", "runner", fb))
 """
 
 
@@ -104,3 +110,25 @@ def test_a_metric_that_cannot_be_written_does_not_stop_the_forward() -> None:
     assert out.stdout.splitlines() == ["out", "again"]
     # Logged once, not at every forward.
     assert out.stderr.count("forward seconds not counted") == 1, out.stderr
+
+
+REGISTERED_SCRIPT = """
+from sgl_pic.binding.cpu_env import activate_cpu_stubs
+activate_cpu_stubs()
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sgl_pic.binding import forward_timer, plugin
+
+plugin.register()
+plugin.register()  # idempotent: one timer, one hook
+hooks = [h for _t, h, _s in HookRegistry._hooks[forward_timer.FORWARD_TARGET]]
+print(len(hooks), type(hooks[0].__self__).__name__)
+print(sorted(k for k in vars(forward_timer) if k.startswith("_") and not k.startswith("__")))
+"""
+
+
+@pytest.mark.sglang
+def test_the_registry_holds_the_one_timer_of_the_process() -> None:
+    """The timer's counters live on the instance the registry holds, not in module state."""
+    out = subprocess.run([sys.executable, "-c", REGISTERED_SCRIPT], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["1 ForwardTimer", "['_mode_counter']"]

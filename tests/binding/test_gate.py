@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from sgl_pic.binding.gate import (
-    PENDING_ATTR,
     UNTRUSTED_NAMESPACE,
     AdmissionGate,
+    AdmittedMarks,
     namespace,
 )
 from sgl_pic.binding.metrics import PicMetrics
@@ -29,9 +29,17 @@ SIGNER = MarkSigner("secret")
 CONFIG = PicConfig(min_chunk_tokens=2, max_chunks=3)
 IDS = list(range(10, 30))
 
+# Where the gates of these tests put honoured marks, by request id; emptied per test.
+MARKS = AdmittedMarks()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_marks() -> None:
+    MARKS._by_rid.clear()
+
 
 def gate(metrics: PicMetrics, signer: MarkSigner | None = SIGNER) -> AdmissionGate:
-    return AdmissionGate(CONFIG, signer, VOCAB, metrics)
+    return AdmissionGate(CONFIG, signer, VOCAB, metrics, marks=MARKS)
 
 
 def req(ids: list[int], custom: dict[str, Any] | None = None, extra: str | None = None) -> Any:
@@ -55,7 +63,7 @@ def ignored(metrics: PicMetrics, reason: str) -> float:
 
 
 def assert_plain(r: Any) -> None:
-    assert not hasattr(r, PENDING_ATTR)
+    assert r.rid not in MARKS
     assert all(not k.startswith("sgl_pic") for k in r.sampling_params.custom_params or {})
     assert not (r.extra_key or "").startswith("sgl_pic")
 
@@ -65,7 +73,7 @@ def test_signed_marks_are_handed_on_with_a_namespace_per_approximation(
 ) -> None:
     r = req(IDS, signed(IDS, [[0, 5], [5, 12]], {"policy": "epic", "epic_k": 3}), "user")
     assert gate(metrics).admit(r) is None
-    pending = getattr(r, PENDING_ATTR)
+    pending = MARKS.get(r.rid)
     assert pending.token_ids == tuple(IDS)
     assert [(s.start, s.end) for s in pending.request.layout.chunks] == [(0, 5), (5, 12)]
     assert r.extra_key == namespace(CONFIG.with_overrides(policy="epic", epic_k=3), "user")
@@ -167,7 +175,7 @@ def test_plain_requests_pass_untouched(metrics: PicMetrics) -> None:
     r = req(IDS, {"mine": 1}, "user")
     assert gate(metrics).admit(r) is None
     assert r.extra_key == "user" and r.sampling_params.custom_params == {"mine": 1}
-    assert not hasattr(r, PENDING_ATTR)
+    assert r.rid not in MARKS
 
 
 def test_a_failure_inside_the_gate_means_exact_prefill(metrics: PicMetrics) -> None:
@@ -204,14 +212,16 @@ def test_calibrated_cachetune_requests_share_one_namespace_never_exact(
 ) -> None:
     # With calibration the executor picks r per tier when the batch runs, so the r the
     # config names (even 1.0, which alone would be exact) says nothing about the KV.
-    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, calibrated_r=True)
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, calibrated_r=True, marks=MARKS)
     keys = []
     for overrides in ({"policy": "cachetune"}, {"policy": "cachetune", "daric_r": 0.5}):
         r = req(IDS, signed(IDS, [[0, 5]], overrides))
         assert g.admit(r) is None
         keys.append(r.extra_key)
     assert keys[0] == keys[1] == "sgl_pic:cachetune,calibrated,0.5|"
-    exact_base = AdmissionGate(CONFIG.with_overrides(cachetune_r=1.0), SIGNER, VOCAB, metrics, True)
+    exact_base = AdmissionGate(
+        CONFIG.with_overrides(cachetune_r=1.0), SIGNER, VOCAB, metrics, True, marks=MARKS
+    )
     r = req(IDS, signed(IDS, [[0, 5]], {"policy": "cachetune"}))
     assert exact_base.admit(r) is None
     assert r.extra_key == keys[0]
@@ -259,7 +269,7 @@ def test_marks_of_a_request_for_every_hidden_state_are_not_honoured(
     r = req(IDS, signed(IDS, [[0, 5], [5, 12]]))
     r.return_hidden_states = mode
     assert gate(metrics).admit(r) is None
-    assert hasattr(r, PENDING_ATTR) == honoured
+    assert (r.rid in MARKS) == honoured
     if not honoured:
         assert_plain(r)
     assert ignored(metrics, "hidden_states") == before + (0 if honoured else 1)
@@ -286,13 +296,13 @@ def test_a_signed_deletion_order_is_executed_and_refused_with_its_report(
 ) -> None:
 
     deleter = RecordingDeleter()
-    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter)
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter, marks=MARKS)
     order = Deletion(namespaces=frozenset({"ns-a"}), contents=frozenset({"c1", "c2"}))
     r = req([0], delete_command.encode(order, SIGNER))
     message = g.admit(r)
     assert message is not None and deleter.orders == [order]
     assert delete_command.parse_report(message) == {"tiers": {"device": {"records": 3}}}
-    assert not hasattr(r, PENDING_ATTR)
+    assert r.rid not in MARKS
 
 
 @pytest.mark.parametrize("forgery", ["unsigned", "other_secret", "mark_mac", "altered"])
@@ -301,7 +311,7 @@ def test_a_forged_deletion_order_is_refused_counted_and_never_executed(
 ) -> None:
 
     deleter = RecordingDeleter()
-    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter)
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=deleter, marks=MARKS)
     order = Deletion(namespaces=frozenset({""}))
     custom = delete_command.encode(order, SIGNER)
     payload = custom[delete_command.COMMAND_KEY]
@@ -340,7 +350,7 @@ def test_a_deletion_that_fails_is_refused_not_run(metrics: PicMetrics) -> None:
         def execute(self, deletion: Any) -> dict[str, Any]:
             raise OSError("disk gone")
 
-    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=Failing())
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=Failing(), marks=MARKS)
     custom = delete_command.encode(Deletion(namespaces=frozenset({""})), SIGNER)
     message = g.admit(req([0], custom))
     assert message is not None and "disk gone" in message
@@ -351,7 +361,7 @@ def test_after_a_deletion_chunked_requests_take_fresh_tree_namespaces(
 ) -> None:
 
     table = ChunkNodeTable(FakeAllocator(8), ModelFingerprint(model_id="m", dtype="f32"), 4, 8)
-    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=Deleter(table))
+    g = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, deleter=Deleter(table), marks=MARKS)
     spans = [[0, 5], [5, 12]]
     before = req(IDS, signed(IDS, spans), "user")
     assert g.admit(before) is None
@@ -365,3 +375,36 @@ def test_after_a_deletion_chunked_requests_take_fresh_tree_namespaces(
     # No client key imitates a generation: it stands before the first "|".
     assert namespace(CONFIG, "user") != namespace(CONFIG, None, generation=1)
     assert after.extra_key != namespace(CONFIG, "@1|user")
+
+
+def test_admitted_marks_are_bounded_oldest_first() -> None:
+    marks = AdmittedMarks(capacity=2)
+    pending = [object(), object(), object()]
+    for i, p in enumerate(pending):
+        marks.put(f"r{i}", p)  # type: ignore[arg-type]
+    assert "r0" not in marks and marks.get("r1") is pending[1] and marks.get("r2") is pending[2]
+    assert len(marks) == 2 and marks.dropped == 1
+    marks.drop("r1")
+    marks.drop("never-admitted")
+    assert len(marks) == 1
+
+
+@pytest.mark.sglang
+def test_the_gate_leaves_no_attribute_on_sglangs_request(metrics: PicMetrics) -> None:
+    """On SGLang's real ``Req``: honoured marks go to the gate's store under the request's
+    id; the request gains no attribute (only its namespace and custom params change)."""
+    from array import array
+
+    from sgl_pic.binding.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    r = Req("rid-7", "", array("i", IDS), SamplingParams(custom_params=signed(IDS, [[0, 5]])))
+    before = set(vars(r))
+    assert gate(metrics).admit(r) is None
+    assert set(vars(r)) == before
+    pending = MARKS.get("rid-7")
+    assert pending is not None and pending.token_ids == tuple(IDS)
+    assert r.extra_key is not None and r.extra_key.startswith("sgl_pic:")

@@ -188,7 +188,11 @@ def test_wrapper_hands_extend_batches_to_the_executor_only() -> None:
         lambda i: layers.append(("post", i)),
         bypassed.append,
     )
+    attributes = set(vars(model.model))
     install(runner, on_extend, print, print)  # idempotent: one wrapper, one set of hooks
+    # Nothing of ours on the stack but the wrapper set as its forward.
+    assert set(vars(model.model)) == attributes
+    assert not [k for k in attributes if k.startswith("_sgl_pic")]
     extend = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), chunked=True)
     plain = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), chunked=False)
     decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False), chunked=True)

@@ -256,3 +256,47 @@ def test_runs_cover_the_selection() -> None:
     runs = runs_of(sel)
     assert runs == [(0, 3), (7, 9), (30, 31)]
     assert sum(b - a for a, b in runs) == sel.numel()
+
+
+def test_the_phase_context_is_reset_whatever_ends_the_forward() -> None:
+    """Callbacks, batch and row groups of a phase forward exist only inside it: an exception
+    raised in the stack (a layer feed's timeout, a probe cutting the pass short) leaves
+    nothing behind, and the layer and attention hooks then act on nothing."""
+    env = Env()
+    backend = SimpleNamespace(init_forward_metadata=lambda _fb: None)
+    runner = PhaseRunner(backend, env.req_pool.req_to_token, None, env.req_pool)
+    phase = runner.prepare(env.live(), subrequests(env), torch.arange(36))
+    calls: list[tuple[str, int]] = []
+
+    def stack(*_: Any) -> torch.Tensor:
+        assert runner.context is not None and runner.batch is phase.forward_batch
+        runner.row_groups()
+        runner.layer_start(0)
+        runner.attention_end(0, None, None)
+        runner.layer_end(0)
+        raise TimeoutError("layer 1 not loaded")
+
+    with pytest.raises(TimeoutError):
+        runner.run(
+            stack,
+            phase,
+            before_layer=[lambda i: calls.append(("before", i))],
+            after_layer=[lambda i: calls.append(("after", i))],
+            after_attention=[lambda i, _m, _q: calls.append(("attention", i))],
+        )
+    assert calls == [("before", 0), ("attention", 0), ("after", 0)]
+    assert runner.context is None and runner.batch is None
+    runner.layer_start(1)
+    runner.attention_end(1, None, None)
+    runner.layer_end(1)
+    assert len(calls) == 3  # SGLang's own forwards see no phase callbacks
+    with pytest.raises(AssertionError, match="no phase batch"):
+        runner.row_groups()
+    # The next phase forward starts from nothing: no callbacks or groups of the last one.
+    with runner.running(phase) as ctx:
+        assert ctx.before_layer == ctx.after_layer == ctx.after_attention == ()
+        assert ctx.groups is None
+        with pytest.raises(RuntimeError, match="already under way"), runner.running(phase):
+            pass
+        assert runner.context is ctx  # a refused nested entry leaves the outer one as it was
+    assert runner.context is None

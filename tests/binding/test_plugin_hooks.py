@@ -1,6 +1,7 @@
-"""The plugin's scheduler hooks on stand-ins (SGLang importable, no server): a failing or
-stalled chunk path falls back to SGLang's own forward; the hand-off is per batch, by
-request id, and checked against token ids."""
+"""The plugin's hooks and the runtime behind them on stand-ins (SGLang importable, no
+server): a failing or stalled chunk path falls back to SGLang's own forward; the hand-off
+is per batch, by request id, and checked against token ids; without a runtime every hook
+is SGLang's own path."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from sgl_pic.binding import plugin
-from sgl_pic.binding.gate import PENDING_ATTR, Pending
+from sgl_pic.binding import hooks, plugin
+from sgl_pic.binding.gate import AdmittedMarks, Pending
+from sgl_pic.binding.runtime import PicRuntime, current, set_current
 from sgl_pic.engine.layer_feed import FeedTimeout
 from sgl_pic.http.spans import PicRequest
 from sgl_pic.layout import PromptLayout
@@ -34,32 +36,50 @@ class Counter:
 class FakeExecutor:
     def __init__(self, error: Exception | None = None) -> None:
         self.error = error
-        self.handoff: dict[str, Pending] = {}
-        self.metrics = SimpleNamespace(failures=Counter(), marks_ignored=Counter())
+        self.handoffs: list[dict[str, Pending]] = []  # what each forward was handed
 
-    def forward(self, *_args: Any) -> torch.Tensor:
+    def forward(self, _stack: Any, _ids: Any, _fb: Any, handoff: dict[str, Pending]) -> Any:
+        self.handoffs.append(dict(handoff))
         if self.error is not None:
             raise self.error
         return torch.ones(2, 4)
 
 
+class FakeGate:
+    def __init__(self) -> None:
+        self.marks = AdmittedMarks()
+
+
+def fake_metrics() -> Any:
+    return SimpleNamespace(
+        failures=Counter(), marks_ignored=Counter(), fallbacks=Counter(), unsupported=Counter()
+    )
+
+
 @pytest.fixture
-def executor(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeExecutor]:
-    ex = FakeExecutor(FeedTimeout("layer 3 not loaded in 0.1 s"))
-    monkeypatch.setattr(plugin, "_executor", ex)
-    monkeypatch.setattr(plugin, "_phases", FakePhases())
-    yield ex
+def runtime() -> Iterator[PicRuntime]:
+    rt = PicRuntime(
+        FakeGate(),  # type: ignore[arg-type]
+        fake_metrics(),
+        FakeExecutor(FeedTimeout("layer 3 not loaded in 0.1 s")),
+        FakePhases(),
+    )
+    previous = set_current(rt)
+    yield rt
+    set_current(previous)
 
 
 class FakePhases:
-    """The phase runner as ``_on_extend`` sees it: no phase batch running."""
+    """The phase runner as ``on_extend`` sees it: no phase batch running."""
 
     def __init__(self) -> None:
-        self.batch = None
-        self.before_layer = [print]
-        self.after_layer = [print]
+        self.context: Any = None
         self.planned: list[Any] = []
         self.backend = SimpleNamespace(init_forward_metadata=self.planned.append)
+
+    @property
+    def batch(self) -> Any:
+        return None if self.context is None else self.context.batch
 
 
 def forward_batch() -> Any:
@@ -69,48 +89,71 @@ def forward_batch() -> Any:
     )
 
 
-def test_a_stalled_feed_runs_the_batch_as_sglang_would(executor: FakeExecutor) -> None:
+def test_a_stalled_feed_runs_the_batch_as_sglang_would(runtime: PicRuntime) -> None:
     fb = forward_batch()
-    out = plugin._on_extend(None, torch.tensor([1, 2]), torch.tensor([0, 1]), fb)
-    # None: the stack runs the live batch itself, with the backend planned for it again
-    # and no phase callbacks left behind.
-    assert out is None and executor.metrics.failures.n == 1
-    phases = plugin._phases
-    assert phases.planned == [fb] and phases.before_layer == [] == phases.after_layer
+    out = runtime.on_extend(None, torch.tensor([1, 2]), torch.tensor([0, 1]), fb)  # type: ignore[arg-type]
+    # None: the stack runs the live batch itself, with the backend planned for it again.
+    assert out is None and runtime.metrics.failures.n == 1
+    assert runtime.phases.planned == [fb] and runtime.phases.context is None
 
 
-def test_extend_batches_reach_the_executor_unless_a_phase_runs(
-    executor: FakeExecutor,
-) -> None:
-    executor.error = None
-    out = plugin._on_extend(None, torch.tensor([1, 2]), torch.tensor([0, 1]), forward_batch())
+def test_extend_batches_reach_the_executor_unless_a_phase_runs(runtime: PicRuntime) -> None:
+    runtime.executor.error = None
+    out = runtime.on_extend(None, torch.tensor([1, 2]), torch.tensor([0, 1]), forward_batch())  # type: ignore[arg-type]
     assert out is not None and torch.equal(out, torch.ones(2, 4))
-    plugin._phases.batch = object()  # a phase forward re-enters the stack: never nested
-    assert plugin._on_extend(None, torch.tensor([1]), torch.tensor([0]), forward_batch()) is None
+    # A phase forward re-enters the stack: never nested.
+    runtime.phases.context = SimpleNamespace(batch=object())
+    assert runtime.on_extend(None, torch.tensor([1]), torch.tensor([0]), forward_batch()) is None  # type: ignore[arg-type]
+    assert len(runtime.executor.handoffs) == 1
 
 
-def req(rid: str, ids: list[int], pending: Pending | None) -> Any:
-    r = SimpleNamespace(rid=rid, origin_input_ids=ids)
-    if pending is not None:
-        setattr(r, PENDING_ATTR, pending)
-    return r
+def req(rid: str, ids: list[int]) -> Any:
+    return SimpleNamespace(rid=rid, origin_input_ids=ids)
 
 
-def test_hand_off_is_per_batch_by_request_id_and_token_checked(executor: FakeExecutor) -> None:
+def test_hand_off_is_per_batch_by_request_id_and_token_checked(runtime: PicRuntime) -> None:
     layout = PromptLayout.from_spans(6, [[0, 4]])
     good = Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))
     changed = Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))
-    executor.handoff = {"stale": good}  # an earlier batch's, never forwarded
+    runtime.marks.put("stale", good)  # admitted, not in this batch
+    runtime.prepare_batch(SimpleNamespace(reqs=[req("stale", [1, 2, 3, 4, 5, 6])]))
+    runtime.marks.put("a", good)
+    runtime.marks.put("b", changed)
     batch = SimpleNamespace(
-        reqs=[
-            req("a", [1, 2, 3, 4, 5, 6], good),
-            req("b", [1, 2, 3, 4, 5, 7], changed),
-            req("c", [9, 9], None),
-        ]
+        reqs=[req("a", [1, 2, 3, 4, 5, 6]), req("b", [1, 2, 3, 4, 5, 7]), req("c", [9, 9])]
     )
-    plugin._after_prepare_for_extend(None, batch)
-    assert executor.handoff == {"a": good}
-    assert executor.metrics.marks_ignored.n == 1
+    hooks.after_prepare_for_extend(None, batch)
+    assert runtime.handoff == {"a": good}  # the earlier batch's is gone
+    assert runtime.metrics.marks_ignored.n == 1
+    # The forward takes it, once; the marks stay for the request's later extends.
+    runtime.executor.error = None
+    runtime.on_extend(None, torch.tensor([1]), torch.tensor([0]), forward_batch())  # type: ignore[arg-type]
+    assert runtime.executor.handoffs == [{"a": good}] and runtime.handoff == {}
+    assert runtime.marks.get("a") is good
+
+
+def test_a_bypassed_batch_drops_its_hand_off_counted(runtime: PicRuntime) -> None:
+    layout = PromptLayout.from_spans(6, [[0, 4]])
+    runtime.marks.put("a", Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6)))
+    runtime.prepare_batch(SimpleNamespace(reqs=[req("a", [1, 2, 3, 4, 5, 6])]))
+    runtime.on_bypass(forward_batch())
+    assert runtime.handoff == {} and runtime.metrics.fallbacks.n == 1
+
+
+def test_hooks_pass_through_without_a_runtime() -> None:
+    previous = set_current(None)
+    try:
+        assert hooks.admit_hook(lambda r: None, req("a", [1])) is None
+        assert hooks.admit_hook(lambda r: "too long", req("a", [1])) == "too long"
+        assert hooks.after_prepare_for_extend("result", SimpleNamespace(reqs=[])) == "result"
+        assert hooks.prefill_graph_hook(lambda _r, _fb: True, None, forward_batch()) is True
+        seen: list[Any] = []
+        out = hooks.torch_native_extend_hook(
+            lambda *a: seen.append(a) or "sglang", "backend", "q", "k", "v", "layer", "fb"
+        )
+        assert out == "sglang" and seen == [("backend", "q", "k", "v", "layer", "fb", True)]
+    finally:
+        set_current(previous)
 
 
 @pytest.mark.parametrize("layout", ["neox", "interleaved"])
@@ -170,17 +213,20 @@ def test_a_refused_server_gets_sglangs_own_tree(monkeypatch: pytest.MonkeyPatch)
         labels=lambda reason: SimpleNamespace(set=lambda v: refused.__setitem__(reason, v))
     )
     monkeypatch.setattr(metrics, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
-    monkeypatch.setattr(plugin, "_gate", None)
-    monkeypatch.setattr(plugin, "_executor", None)
-    c = ctx("torch_native", enable_hierarchical_cache=True)
-    c.model_config.vocab_size = 100
-    assert plugin.build_tree_cache(c) is c and built == [c]
-    assert plugin._executor is None and plugin._gate is not None
-    assert plugin._gate.signer is None and refused == {"kv_tiers": 1}
+    previous = set_current(None)
+    try:
+        c = ctx("torch_native", enable_hierarchical_cache=True)
+        c.model_config.vocab_size = 100
+        assert plugin.build_tree_cache(c) is c and built == [c]
+        rt = current()
+        assert rt is not None and rt.executor is None and rt.gate.signer is None
+        assert refused == {"kv_tiers": 1}
+    finally:
+        set_current(previous)
 
 
 def test_batches_with_chunked_requests_are_kept_off_the_prefill_graph(
-    executor: FakeExecutor,
+    runtime: PicRuntime,
 ) -> None:
     asked: list[Any] = []
 
@@ -189,18 +235,21 @@ def test_batches_with_chunked_requests_are_kept_off_the_prefill_graph(
         return True
 
     layout = PromptLayout.from_spans(6, [[0, 4]])
-    executor.handoff = {"a": Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))}
+    runtime.marks.put("a", Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6)))
+    runtime.prepare_batch(SimpleNamespace(reqs=[req("a", [1, 2, 3, 4, 5, 6])]))
     chunked = SimpleNamespace(rids=["x", "a"])
     plain = SimpleNamespace(rids=["x", "y"])
-    assert plugin._prefill_graph_hook(can_run_graph, None, chunked) is False
-    assert plugin._prefill_graph_hook(can_run_graph, None, plain) is True
-    assert plugin._prefill_graph_hook(can_run_graph, None, SimpleNamespace(rids=None)) is False
-    executor.handoff = {}
-    assert plugin._prefill_graph_hook(can_run_graph, None, chunked) is True
+    assert hooks.prefill_graph_hook(can_run_graph, None, chunked) is False
+    assert hooks.prefill_graph_hook(can_run_graph, None, plain) is True
+    assert hooks.prefill_graph_hook(can_run_graph, None, SimpleNamespace(rids=None)) is False
+    runtime.prepare_batch(SimpleNamespace(reqs=[]))
+    assert hooks.prefill_graph_hook(can_run_graph, None, chunked) is True
     assert asked == [plain, chunked]  # SGLang decides every batch without chunked requests
 
 
-def test_the_guard_is_seen_through_sglangs_hook_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_guard_is_seen_through_sglangs_hook_registry(
+    monkeypatch: pytest.MonkeyPatch, runtime: PicRuntime
+) -> None:
     """Applied by SGLang's real HookRegistry to its real runner class, the hook is found
     by ``model_hooks.graph_guarded`` and runs on the runner's ``can_run_graph``."""
     from collections import defaultdict
@@ -223,13 +272,12 @@ def test_the_guard_is_seen_through_sglangs_hook_registry(monkeypatch: pytest.Mon
     )
     runner = object.__new__(PrefillCudaGraphRunner)
     assert not graph_guarded(runner)
-    HookRegistry.register(plugin.PREFILL_GRAPH_TARGET, plugin._prefill_graph_hook, HookType.AROUND)
+    HookRegistry.register(hooks.PREFILL_GRAPH_TARGET, hooks.prefill_graph_hook, HookType.AROUND)
     HookRegistry.apply_hooks()
     assert graph_guarded(runner)
     layout = PromptLayout.from_spans(6, [[0, 4]])
-    ex = FakeExecutor()
-    ex.handoff = {"a": Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6))}
-    monkeypatch.setattr(plugin, "_executor", ex)
+    runtime.marks.put("a", Pending(PicRequest(layout, {}), (1, 2, 3, 4, 5, 6)))
+    runtime.prepare_batch(SimpleNamespace(reqs=[req("a", [1, 2, 3, 4, 5, 6])]))
     assert runner.can_run_graph(SimpleNamespace(rids=["a"])) is False
 
 
@@ -252,16 +300,19 @@ def test_a_pool_paged_unlike_the_chunk_starts_is_refused(monkeypatch: pytest.Mon
         labels=lambda reason: SimpleNamespace(set=lambda v: refused.__setitem__(reason, v))
     )
     monkeypatch.setattr(metrics, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
-    monkeypatch.setattr(plugin, "_gate", None)
-    monkeypatch.setattr(plugin, "_executor", None)
     monkeypatch.delenv("SGLPIC_SETTINGS", raising=False)  # page size 1, the default
-    c = ctx("flashinfer")
-    allocator = FakeAllocator(8, page_size=16)
-    allocator.get_kvcache = MHATokenToKVPool  # type: ignore[attr-defined]
-    c.params.token_to_kv_pool_allocator = allocator
-    c.model_config.vocab_size = 100
-    assert plugin.build_tree_cache(c) is c and built == [c]
-    assert refused == {"page_size": 1} and plugin._executor is None
+    previous = set_current(None)
+    try:
+        c = ctx("flashinfer")
+        allocator = FakeAllocator(8, page_size=16)
+        allocator.get_kvcache = MHATokenToKVPool  # type: ignore[attr-defined]
+        c.params.token_to_kv_pool_allocator = allocator
+        c.model_config.vocab_size = 100
+        assert plugin.build_tree_cache(c) is c and built == [c]
+        rt = current()
+        assert refused == {"page_size": 1} and rt is not None and rt.executor is None
+    finally:
+        set_current(previous)
 
 
 def test_kernels_are_prepared_once_at_start_up_for_a_cuda_pool(

@@ -11,6 +11,7 @@ available + evictable + protected == pool size; every test checks it after each 
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import pytest
 
@@ -375,3 +376,55 @@ def test_a_node_a_running_request_holds_is_not_matched_after_a_deletion() -> Non
     assert stale.device_prefix_len == len(TREE_B)
     env.cache.unlock(lock)
     env.conserved()
+
+
+def sglang_req(rid: str) -> Any:
+    """A real SGLang ``Req`` (what the scheduler hands the tree cache)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid, "", array("i", [1, 2, 3]), SamplingParams())
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_a_request_that_ends_has_its_marks_dropped(checkpointed: bool) -> None:
+    """SGLang releases a finished request's KV through ``on_release`` and an aborted queued
+    one's cache state through ``release_aborted_request``; either way the request's id
+    reaches ``on_request_done``, so admitted marks of requests that end (with or without an
+    extend) do not pile up. A retracted request releases its KV unfinished: it keeps its
+    marks, since it comes back."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    env = Env(1, attach=False)
+    done: list[str] = []
+    env.cache.attach(env.table, on_request_done=done.append)
+    retracted = sglang_req("retracted")
+    env.cache.on_release(retracted, checkpointed=checkpointed)
+    assert done == []
+    finished = sglang_req("finished")
+    finished.finished_reason = FINISH_LENGTH(3)
+    env.cache.on_release(finished, checkpointed=checkpointed)
+    aborted = sglang_req("aborted")
+    env.cache.release_aborted_request(aborted.cache_request_handle)
+    assert done == ["finished", "aborted"]
+    env.conserved()
+
+
+def test_the_scheduler_reaches_the_cache_on_every_abort_path() -> None:
+    """SGLang 0.5.23's scheduler drops an aborted request's cache state through
+    ``tree_cache.finish(handle, ABORT)``, whose base calls ``release_aborted_request``:
+    the hook ``ChunkRadixCache`` drops marks on."""
+    import inspect
+
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheRequestOutcome
+
+    assert "self.tree_cache.finish(" in inspect.getsource(Scheduler._release_aborted_request)
+    env = Env(1, attach=False)
+    done: list[str] = []
+    env.cache.attach(env.table, on_request_done=done.append)
+    assert "finish" not in vars(UnifiedRadixCache) and "finish" in vars(BasePrefixCache)
+    req = sglang_req("queued")
+    env.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    env.cache.finish(sglang_req("ok").cache_request_handle, CacheRequestOutcome.SUCCESS)
+    assert done == ["queued"]

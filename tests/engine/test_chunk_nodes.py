@@ -269,7 +269,7 @@ def churn(policy: str, rounds: int = 6) -> tuple[int, int, int]:
             assert not use(t)
         hits += sum(use(t) for t in hot)
     novel_held = sum(table.match(t) is not None for t in last)
-    evicted = table.evicted_nodes
+    evicted = table.eviction.evicted
     assert_released(table, alloc)
     return hits, evicted, novel_held
 
@@ -599,11 +599,11 @@ TestTenantChunkTable.settings = _machine_settings
 
 
 def test_chunk_nodes_whose_kv_could_not_be_written_are_taken_back() -> None:
-    """``ChunkExecutor._store`` links a missed chunk's nodes, then writes their KV; when
-    the write fails, the nodes go, or a later device hit would copy unwritten slots."""
+    """``NodeWriter.write`` links a missed chunk's nodes, then writes their KV; when the
+    write fails, the nodes go, or a later device hit would copy unwritten slots."""
     from types import SimpleNamespace
 
-    from sgl_pic.engine.executor import ChunkExecutor
+    from sgl_pic.engine.phase1 import NodeWriter
 
     table, alloc = make_table()
     free = alloc.free_slots()
@@ -611,12 +611,10 @@ def test_chunk_nodes_whose_kv_could_not_be_written_are_taken_back() -> None:
     def fail(*_args: object) -> None:
         raise ValueError("the pool refused these rows")
 
-    ex = ChunkExecutor.__new__(ChunkExecutor)
-    ex.nodes = table
-    ex.kv = SimpleNamespace(write_rotated=fail)
+    writer = NodeWriter(table, SimpleNamespace(write_rotated=fail), lambda: None)  # type: ignore[arg-type]
     x = toks(3, 9)
     with pytest.raises(ValueError, match="refused"):
-        ex._store(tuple(x), torch.zeros(1, 2, len(x), 1, 1), None)
+        writer.write(tuple(x), torch.zeros(1, 2, len(x), 1, 1), None)
     assert table.match(x) is None and len(table) == 0 and alloc.free_slots() == free
 
 

@@ -15,7 +15,7 @@ The other way waits too: a copy of host data to the device from pageable memory
 (``torch.tensor(..., device=)``, ``to``/``copy_`` onto the device) blocks the host until the
 stream has run up to it. Such copies by the device-side code are counted as ``h2d``, except
 ``non_blocking`` ones from pinned memory. The device is mocked as a CUDA one
-(``phases.pinnable``), and ``pin_memory`` marks its result pinned instead of pinning.
+(``phase_batch.pinnable``), and ``pin_memory`` marks its result pinned instead of pinning.
 """
 
 # ruff: noqa: E402 - sglang imports need the CPU stubs active first
@@ -44,7 +44,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from torch.overrides import TorchFunctionMode
 
-from sgl_pic.binding import phases
+from sgl_pic.binding import phase_batch
 from sgl_pic.binding.gate import Pending
 from sgl_pic.binding.model_rope import ModelRope
 from sgl_pic.binding.phases import PhaseRunner
@@ -123,8 +123,15 @@ def dev(t: torch.Tensor) -> torch.Tensor:
 # follow their inputs' (``device=x.device``), which propagation covers.
 DEVICE_MODULES = (
     "sgl_pic/engine/executor.py",
+    "sgl_pic/engine/forwards.py",
+    "sgl_pic/engine/lookup.py",
+    "sgl_pic/engine/phase1.py",
+    "sgl_pic/engine/signals.py",
+    "sgl_pic/engine/select.py",
+    "sgl_pic/engine/phase2.py",
     "sgl_pic/engine/kv_access.py",
     "sgl_pic/binding/phases.py",
+    "sgl_pic/binding/phase_batch.py",
     "sgl_pic/engine/query_probe.py",
     "sgl_pic/engine/layer_feed.py",
     "sgl_pic/binding/attention.py",
@@ -231,17 +238,18 @@ class DeviceFactories(TorchFunctionMode):
 def counting() -> Iterator[Counter[str]]:
     Dev.syncs = Counter()
     Dev.counting = True
-    saved = getattr(phases, "pinnable", None)
-    phases.pinnable = lambda device: True  # the mocked device is a CUDA one: pin for it
+    saved = getattr(phase_batch, "pinnable", None)
+    # The mocked device is a CUDA one: pin for it (where ``to_device`` looks it up).
+    phase_batch.pinnable = lambda device: True
     try:
         with DeviceFactories():
             yield Dev.syncs
     finally:
         Dev.counting = False
         if saved is None:
-            del phases.pinnable
+            del phase_batch.pinnable
         else:
-            phases.pinnable = saved
+            phase_batch.pinnable = saved
 
 
 class DevAllocator(FakeAllocator):
@@ -321,6 +329,7 @@ class Server:
         """One extend batch of chunked prompts (chunks, question), none with a device
         prefix; # [tokens, hidden]."""
         rows = self.req_pool.alloc_rows(len(prompts))
+        handoff: dict[str, Pending] = {}
         assert rows is not None
         ids: list[int] = []
         lens: list[int] = []
@@ -329,7 +338,7 @@ class Server:
             toks = [t for c in chunks for t in c] + question
             layout = PromptLayout.from_lengths([len(c) for c in chunks], len(question))
             rid = f"r{b}"
-            self.executor.handoff[rid] = Pending(PicRequest(layout, {}), tuple(toks))
+            handoff[rid] = Pending(PicRequest(layout, {}), tuple(toks))
             slots = self.alloc.alloc(len(toks))
             assert slots is not None
             self.req_pool.req_to_token[rows[b], : len(toks)] = slots.to(torch.int32)
@@ -350,7 +359,7 @@ class Server:
             req_pool_indices_cpu=torch.tensor(rows, dtype=torch.int64),
             rids=[f"r{b}" for b in range(len(prompts))],
         )
-        out = self.executor.forward(self.stack, live.input_ids, live)
+        out = self.executor.forward(self.stack, live.input_ids, live, handoff)
         assert out is not None and out.shape == (sum(lens), HIDDEN)
         self.req_pool.free_rows(rows)
         return out
@@ -398,6 +407,7 @@ PER_BATCH = {"query_aware": 1, "cachetune": 0}
 # non-blocking copy from pinned memory per batch or probe.
 NO_BLOCKING_COPIES = (
     "binding/phases.py",
+    "binding/phase_batch.py",
     "engine/query_probe.py",
     "selection/query_aware.py",
 )
@@ -460,12 +470,12 @@ def test_a_phase_batch_reaches_the_device_in_one_non_blocking_copy() -> None:
         seq_lens_sum=4,
     )
     subs = [
-        phases.SubRequest(rows[0], 3, 2),
-        phases.SubRequest(rows[0], 7, 1),
-        phases.SubRequest(rows[1], 0, 4),
+        phase_batch.SubRequest(rows[0], 3, 2),
+        phase_batch.SubRequest(rows[0], 7, 1),
+        phase_batch.SubRequest(rows[1], 0, 4),
     ]
     with counting() as syncs:
-        fb = phases.build_phase_batch(
+        fb = phase_batch.build_phase_batch(
             live, subs, dev(torch.arange(7)), server.req_pool.req_to_token, None
         ).forward_batch
     assert not syncs

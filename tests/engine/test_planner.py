@@ -19,6 +19,23 @@ from sgl_pic.layout import PromptLayout
 RATIOS = {"device": 0.15, "host": 0.2, "disk": 0.35}
 
 
+class Given:
+    """Signals as arrays (``planner.Signals``), each read counted."""
+
+    def __init__(self, deviation: torch.Tensor, query: torch.Tensor | None = None) -> None:
+        self._deviation, self._query = deviation, query
+        self.reads: list[str] = []
+
+    def deviation(self, plan: RequestPlan) -> torch.Tensor:
+        self.reads.append("deviation")
+        return self._deviation
+
+    def query_attention(self, plan: RequestPlan) -> torch.Tensor:
+        self.reads.append("query_attention")
+        assert self._query is not None
+        return self._query
+
+
 def _plan(
     tiers: set[str] | None = None,
     overrides: dict[str, Any] | None = None,
@@ -121,7 +138,7 @@ def test_a_chunk_the_prefix_cuts_reuses_its_device_copy_from_the_prefix_on() -> 
 def test_select_refines_by_prefix_and_counts_reuse() -> None:
     plan = _plan(spans=[[0, 8], [8, 16]], n=20, prefix=4, policy="epic", overrides={"epic_k": 2})
     planner.classify(plan, lambda s, e: ChunkLookup("device", None))
-    sel = planner.select(plan, lambda: torch.zeros(20))
+    sel = planner.select(plan, Given(torch.zeros(20)))
     # EPIC: first 2 of each chunk (0, 1 dropped as device prefix; the first chunk's tail
     # 4..7 is forced), then fresh 16..19 (including the last token).
     assert sel.tolist() == [4, 5, 6, 7, 8, 9, 16, 17, 18, 19]
@@ -144,20 +161,17 @@ def test_runs_of_and_merging() -> None:
 def test_runs_are_merged_until_the_phase_batch_fits() -> None:
     from types import SimpleNamespace
 
-    from sgl_pic.engine.executor import ChunkExecutor
+    from sgl_pic.engine.select import fit_runs
 
     merges = SimpleNamespace(n=0)
-    ex = ChunkExecutor.__new__(ChunkExecutor)
-    ex.merge_gap = 0
-    ex.phases = SimpleNamespace(max_subrequests=4)
-    ex.metrics = SimpleNamespace(
+    metrics = SimpleNamespace(
         run_merges=SimpleNamespace(inc=lambda: setattr(merges, "n", merges.n + 1))
     )
     plan = _plan(spans=[[0, 8], [8, 16]], n=20, policy="epic")
     planner.classify(plan, lambda s, e: ChunkLookup("device", None))
     plan.selected = torch.tensor([1, 3, 5, 7, 9, 19])
     runs = {0: runs_of(plan.selected)}
-    ex._fit(runs, {0: plan}, plain=1)
+    fit_runs(runs, {0: plan}, plain=1, cap=4, merge_gap=0, metrics=metrics)  # type: ignore[arg-type]
     # 6 runs + 1 plain request > 4: gap 1 joins 1..9 into one run, leaving 2 + 1.
     assert runs[0] == [(1, 10), (19, 20)] and merges.n == 1
     assert plan.selected.tolist() == [*range(1, 10), 19]
@@ -187,7 +201,7 @@ def test_a_deferred_miss_is_fresh_text_computed_whole() -> None:
     assert s is not None
     assert (s.deferred, s.misses, s.contiguous_hits, s.disjoint_hits) == (1, 0, 1, 1)
     assert s.reused_tokens == 8  # the two hits; the deferred chunk reuses nothing
-    sel = planner.select(plan, lambda: torch.zeros(16))
+    sel = planner.select(plan, Given(torch.zeros(16)))
     # EPIC's first token of the reused chunk after position 0, the deferred chunk whole,
     # and the fresh tail.
     assert sel.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
@@ -200,18 +214,16 @@ def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> 
     # for). It runs as SGLang would, counted as resumed, not as a fallback.
     from types import SimpleNamespace
 
-    from sgl_pic.engine.executor import ChunkExecutor
+    from sgl_pic.engine.batch import chunk_specs
 
     counts = {"resumed": 0, "fallbacks": 0}
 
     def counter(name: str) -> SimpleNamespace:
         return SimpleNamespace(inc=lambda: counts.__setitem__(name, counts[name] + 1))
 
-    ex = ChunkExecutor.__new__(ChunkExecutor)
-    ex.promoter = []  # nothing being promoted
-    ex.metrics = SimpleNamespace(resumed=counter("resumed"), fallbacks=counter("fallbacks"))
+    metrics: Any = SimpleNamespace(resumed=counter("resumed"), fallbacks=counter("fallbacks"))
     pending = _plan(spans=[[0, 4], [4, 8]], n=10).pending
-    ex.handoff = {"r": pending}
+    handoff = {"r": pending}
     live = SimpleNamespace(
         rids=["r"],
         req_pool_indices=torch.tensor([1]),
@@ -219,12 +231,11 @@ def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> 
         extend_seq_lens_cpu=[1 + 5],  # that token and 5 output tokens
         return_logprob=False,
     )
-    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
-    assert counts == {"resumed": 1, "fallbacks": 0} and ex.handoff == {}
+    assert chunk_specs(live, handoff, PicConfig(), metrics) == {}
+    assert counts == {"resumed": 1, "fallbacks": 0}
     # A chunked-prefill piece before the last is still a fallback.
-    ex.handoff = {"r": pending}
     live.extend_prefix_lens_cpu, live.extend_seq_lens_cpu = [0], [6]
-    assert ex.forward(lambda *a: None, torch.zeros(6, dtype=torch.int64), live) is None
+    assert chunk_specs(live, handoff, PicConfig(), metrics) == {}
     assert counts == {"resumed": 1, "fallbacks": 1}
 
 
@@ -242,3 +253,41 @@ def test_pool_rows_come_from_sglangs_host_copy_without_reading_the_device() -> N
     # A batch without the host copy (SGLang leaves it None outside plain extend batches).
     bare = SimpleNamespace(req_pool_indices=torch.tensor([2, 5]), req_pool_indices_cpu=None)
     assert planner.pool_rows(bare) == [2, 5]
+
+
+def test_the_spec_of_a_whole_chunked_prompt_is_named() -> None:
+    from types import SimpleNamespace
+
+    from sgl_pic.engine.batch import ChunkSpec, chunk_specs
+
+    pending = _plan(spans=[[0, 4], [4, 8]], n=10, overrides={"epic_k": 2}).pending
+    live = SimpleNamespace(
+        rids=["plain", "r"],
+        req_pool_indices_cpu=torch.tensor([3, 1]),
+        extend_prefix_lens_cpu=[0, 2],
+        extend_seq_lens_cpu=[5, 8],
+        return_logprob=False,
+    )
+    specs = chunk_specs(live, {"r": pending}, PicConfig(), SimpleNamespace())
+    assert list(specs) == [1]
+    spec = specs[1]
+    assert isinstance(spec, ChunkSpec)
+    assert (spec.row_offset, spec.pool_idx, spec.prefix, spec.pending) == (5, 1, 2, pending)
+    assert spec.config == pending.request.config(PicConfig())
+    plan = spec.plan()
+    assert (plan.row_offset, plan.pool_idx, plan.prefix) == (5, 1, 2) and plan.config is spec.config
+
+
+def test_select_reads_only_the_signals_its_policy_needs() -> None:
+    plan = _plan(spans=[[0, 8], [8, 16]], n=20, policy="epic", overrides={"epic_k": 2})
+    planner.classify(plan, lambda s, e: ChunkLookup("device", None))
+    given = Given(torch.zeros(20))
+    planner.select(plan, given)
+    assert given.reads == []
+    plan = _plan(spans=[[0, 8], [8, 16]], n=20, policy="cacheblend")
+    planner.classify(plan, lambda s, e: ChunkLookup("device", None))
+    deviation = torch.zeros(20)
+    deviation[10] = 5.0
+    given = Given(deviation)
+    sel = planner.select(plan, given)
+    assert given.reads == ["deviation"] and 10 in sel.tolist()

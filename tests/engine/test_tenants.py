@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.mem_cache.utils import storage_namespace_seed
 
-from sgl_pic.binding.gate import PENDING_ATTR, AdmissionGate
+from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks
 from sgl_pic.binding.metrics import PicMetrics
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
@@ -49,6 +49,15 @@ LOWER_FP = ModelFingerprint(model_id="tenants-model", dtype="float32", pre_rope=
 names = st.text(alphabet="abAB-_ 0", min_size=0, max_size=4)
 tenants = st.tuples(st.none() | names, st.none() | names.filter(bool))
 chunks = st.lists(st.integers(0, 40), min_size=1, max_size=9).map(tuple)
+
+
+# Where the gates of these tests put honoured marks, by request id; emptied per test.
+MARKS = AdmittedMarks()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_marks() -> None:
+    MARKS._by_rid.clear()
 
 
 # --------------------------------------------------------------------- namespaces
@@ -211,12 +220,12 @@ def signed(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def test_the_gate_fixes_the_namespace_from_extra_key_and_cache_salt(metrics: PicMetrics) -> None:
-    gate = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics)
+    gate = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, marks=MARKS)
     seen = {}
     for extra, salt in [(None, None), ("tenant-A", None), (None, "tenant-A"), ("k", "s")]:
         r = req(signed(), extra, salt)
         assert gate.admit(r) is None
-        pending = getattr(r, PENDING_ATTR)
+        pending = MARKS.get(r.rid)
         assert pending.namespace == isolation_namespace(extra, salt)
         assert pending.readable == (pending.namespace,)
         seen[(extra, salt)] = pending.namespace
@@ -230,27 +239,27 @@ def test_the_gate_fixes_the_namespace_from_extra_key_and_cache_salt(metrics: Pic
 def test_a_namespace_forged_into_signed_marks_is_not_honoured(metrics: PicMetrics) -> None:
     """Raw fields of ours beside valid marks (``sgl_pic_namespace``: another tenant's) make
     the request run exact, as any other internal field a client sends."""
-    gate = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics)
+    gate = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, marks=MARKS)
     forged = {**signed(), "sgl_pic_namespace": isolation_namespace(None, "victim")}
     r = req(forged, None, "attacker")
     assert gate.admit(r) is None
-    assert not hasattr(r, PENDING_ATTR)
+    assert r.rid not in MARKS
     assert all(not k.startswith("sgl_pic") for k in r.sampling_params.custom_params)
 
 
 def test_the_public_scope_is_read_only_where_the_server_shares_one(metrics: PicMetrics) -> None:
     ask = signed({PUBLIC_SCOPE_OPTION: True})
     # No sharing by default: asking is refused with a clear error.
-    closed = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics)
+    closed = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, marks=MARKS)
     r = req(ask, None, "tenant-B")
     err = closed.admit(r)
-    assert err is not None and "public" in err and not hasattr(r, PENDING_ATTR)
+    assert err is not None and "public" in err and r.rid not in MARKS
     # Where the operator names "corpus", a request asking reads it after its own ...
     policy = TenantPolicy.from_names(["corpus"])
-    opened = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, tenants=policy)
+    opened = AdmissionGate(CONFIG, SIGNER, VOCAB, metrics, tenants=policy, marks=MARKS)
     r = req(ask, None, "tenant-B")
     assert opened.admit(r) is None
-    pending = getattr(r, PENDING_ATTR)
+    pending = MARKS.get(r.rid)
     own = isolation_namespace(None, "tenant-B")
     assert pending.namespace == own and pending.readable[0] == own
     assert set(pending.readable[1:]) == {
@@ -259,7 +268,7 @@ def test_the_public_scope_is_read_only_where_the_server_shares_one(metrics: PicM
     }
     # ... and one not asking reads its own only.
     r = req(signed(), None, "tenant-B")
-    assert opened.admit(r) is None and getattr(r, PENDING_ATTR).readable == (own,)
+    assert opened.admit(r) is None and MARKS.get(r.rid).readable == (own,)
 
 
 def test_public_namespaces_come_from_the_settings() -> None:

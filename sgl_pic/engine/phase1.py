@@ -1,0 +1,152 @@
+"""Step 3 of a chunked batch: phase 1, the independent KV of the chunks found nowhere.
+
+Each admitted miss runs as a sub-request from position 0 over its own slots (a scratch
+row of SGLang's request table that holds just those slots), so its KV is the chunk's
+independent KV. It is copied into new chunk nodes (``NodeWriter``), written through to the
+host tier, and its keys are re-rotated in place to the chunk's position."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sgl_pic.binding.phases import SubRequest
+from sgl_pic.config import PicConfig
+from sgl_pic.engine.batch import BatchContext, Plans
+from sgl_pic.engine.chunk_nodes import ChunkNodeTable
+from sgl_pic.engine.forwards import PhaseForwards
+from sgl_pic.engine.kv_access import KVAccess, single_thread
+from sgl_pic.engine.planner import RequestPlan
+from sgl_pic.selection import cachetune_ranking
+
+# Scratch rows phase 1 takes from SGLang's request table at once; more misses run in
+# further rounds.
+MAX_SCRATCH_ROWS = 16
+
+Miss = tuple[RequestPlan, int, int]  # a plan and its chunk [start, end)
+
+
+class NoScratchRows(RuntimeError):
+    """SGLang's request table has no free row for phase 1 (the batch runs exact)."""
+
+
+class NodeWriter:
+    """Writes chunks into new chunk nodes (phase 1's misses, the promoter's loads).
+    ``on_insert_failure()`` counts a chunk the table had no room for."""
+
+    def __init__(
+        self, nodes: ChunkNodeTable, kv: KVAccess, on_insert_failure: Callable[[], None]
+    ) -> None:
+        self.nodes = nodes
+        self.kv = kv
+        self.on_insert_failure = on_insert_failure
+
+    def write(
+        self,
+        chunk_ids: tuple[int, ...],
+        kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
+        ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
+    ) -> None:
+        """New chunk nodes of ``namespace`` for the segments not held, when the pool share
+        has room."""
+        inserted = (
+            self.nodes.insert(chunk_ids, ranking, namespace) if self.nodes.capacity_tokens else ()
+        )
+        if inserted is None:
+            self.on_insert_failure()
+        elif inserted:
+            try:
+                for node, key in zip(*inserted, strict=True):
+                    self.kv.write_rotated(node.kv_slots, kv[:, :, key.start : key.end], 0)
+            except BaseException:
+                # Linked but never written: a later device hit would copy whatever the
+                # slots held before.
+                self.nodes.discard(inserted[0])
+                raise
+
+    def write_locked(
+        self,
+        chunk_ids: tuple[int, ...],
+        kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
+        ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
+    ) -> None:
+        """``write`` on one thread (``single_thread``), as the promoter calls it."""
+        with single_thread():
+            self.write(chunk_ids, kv, ranking, namespace)
+
+
+class Phase1:
+    """Reads: each plan's misses (``Lookup``). Writes: their slots (independent KV, then
+    re-rotated to the chunk's position), new chunk nodes and host-tier records of them,
+    each plan's rankings of its misses and its stats (misses, encoded tokens)."""
+
+    def __init__(self, config: PicConfig, forwards: PhaseForwards, writer: NodeWriter) -> None:
+        self.config = config
+        self.forwards = forwards
+        self.writer = writer
+
+    def run(self, plans: Plans, ctx: BatchContext) -> None:
+        misses = [(plan, s, e) for plan in plans.values() for s, e in plan.misses]
+        if not misses:
+            return
+        self._encode(misses, ctx)
+        for plan, start, end in misses:
+            ranking = self._store(plan, start, end)
+            i = next(j for j, s in enumerate(plan.layout.chunks) if s.start == start)
+            plan.rankings[i] = ranking
+            assert plan.stats is not None
+            plan.stats = plan.stats._replace(
+                misses=plan.stats.misses + 1,
+                encoded_tokens=plan.stats.encoded_tokens + end - start,
+            )
+
+    def _encode(self, misses: list[Miss], ctx: BatchContext) -> None:
+        """The phase-1 forwards: every miss from position 0 on a scratch row of its own."""
+        phases = self.forwards.phases
+        rows = phases.scratch_rows(min(len(misses), MAX_SCRATCH_ROWS))
+        if rows is None:
+            rows = phases.scratch_rows(1)
+        if rows is None:
+            raise NoScratchRows("no free request rows for phase 1")
+        table = phases.req_to_token
+        try:
+            for at in range(0, len(misses), len(rows)):
+                batch = misses[at : at + len(rows)]
+                subs, ids = [], []
+                for row, (plan, start, end) in zip(rows, batch, strict=False):
+                    table[row, : end - start] = self.forwards.slots(plan, start, end).to(
+                        table.dtype
+                    )
+                    subs.append(SubRequest(row, 0, end - start))
+                    ids.extend(plan.pending.token_ids[start:end])
+                ids_t = torch.tensor(ids, dtype=torch.int64, device=table.device)
+                self.forwards.run("phase1", ctx.stack, phases.prepare(ctx.live, subs, ids_t))
+        finally:
+            phases.free_rows(rows)
+
+    def _store(self, plan: RequestPlan, start: int, end: int) -> torch.Tensor:
+        """Stores one encoded miss in the chunk nodes and the lower tiers, re-rotates its
+        keys in place to the chunk's position; its ranking # [end - start]."""
+        kv_access, lower = self.forwards.kv, self.forwards.lower
+        slots = self.forwards.slots(plan, start, end)
+        chunk_ids = plan.pending.token_ids[start:end]
+        # All of it on one thread, as the copies: small ops, where OpenMP's barriers under
+        # a serving load cost more than a second thread gains (``single_thread``).
+        with single_thread():
+            kv = kv_access.read(slots)  # keys at positions 0..n-1
+            # Pre-RoPE keys, once: CacheTune ranks them and the lower tiers store them.
+            k_pre = kv_access.pre_rope_keys(kv)
+            # The server's alpha: the chunk's keys name it (``ranking_recipe``).
+            ranking = cachetune_ranking(
+                k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.forwards.reduce
+            ).cpu()  # read on the host once: the plan, the chunk node and the tiers use it
+            ns = plan.pending.namespace  # stored in its own namespace only
+            self.writer.write(chunk_ids, kv, ranking, ns)
+            if lower is not None:
+                # Write-through: the host tier then puts it on disk in the background.
+                lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns)
+            kv_access.write_rotated(slots, kv, start)
+        return ranking

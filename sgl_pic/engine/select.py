@@ -1,0 +1,100 @@
+"""Step 5 of a chunked batch: which positions phase 2 recomputes, and as which runs.
+
+Each plan's policy chooses (``planner.select``, reading the batch's signals through
+``signals.BatchSignals``); its positions become contiguous runs (runs separated by at
+most ``merge_gap`` tokens merged), and runs are merged further until the phase batch fits
+the attention backend's plan buffers (``fit_runs``)."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.binding.phases import Run, runs_of
+from sgl_pic.engine import planner
+from sgl_pic.engine.batch import BatchContext, Plans
+from sgl_pic.engine.forwards import PhaseForwards
+from sgl_pic.engine.planner import RequestPlan
+from sgl_pic.engine.signals import BatchSignals, Signals
+
+
+class Select:
+    """Reads: each plan's rankings, forced positions and layout (``Lookup``, ``Phase1``);
+    ``ctx.query_scores`` and ``ctx.probe_seconds`` (``Signals``); CacheBlend's deviation on
+    demand. Writes: each plan's config (calibrated r), selected positions and stats;
+    ``ctx.runs``.
+
+    ratios: calibrated CacheTune r per tier ("device", "host", "disk"), or None.
+    merge_gap: phase-2 runs separated by at most this many tokens are merged."""
+
+    def __init__(
+        self,
+        forwards: PhaseForwards,
+        signals: Signals,
+        ratios: dict[str, float] | None = None,
+        merge_gap: int = 0,
+    ) -> None:
+        self.forwards = forwards
+        self.signals = signals
+        self.ratios = ratios
+        self.merge_gap = merge_gap
+
+    def run(self, plans: Plans, ctx: BatchContext) -> None:
+        signals = BatchSignals(self.signals, plans, ctx)
+        runs: dict[int, list[Run]] = {}
+        for b, plan in plans.items():
+            sel = planner.select(plan, signals, self.ratios)
+            if b in ctx.query_scores:
+                # The shared probe pass ran before selection; each request waited for it.
+                assert plan.stats is not None
+                plan.stats = plan.stats._replace(
+                    selection_seconds=plan.stats.selection_seconds + ctx.probe_seconds
+                )
+            runs[b] = runs_of(sel, self.merge_gap)
+        plain = len(planner.pool_rows(ctx.live)) - len(plans)
+        fit_runs(
+            runs,
+            plans,
+            plain,
+            self.forwards.phases.max_subrequests,
+            self.merge_gap,
+            self.forwards.metrics,
+        )
+        ctx.runs = runs
+
+
+def fit_runs(
+    runs: dict[int, list[Run]],
+    plans: Plans,
+    plain: int,
+    cap: int | None,
+    merge_gap: int,
+    metrics: PicMetrics,
+) -> None:
+    """Merges runs across growing gaps until the phase batch (``plain`` requests besides
+    the runs) fits ``cap`` sub-requests (``PhaseRunner.max_subrequests``; None: no limit);
+    merged gaps are recomputed too, and the plans' selections and stats say so."""
+    gap = max(merge_gap, 1)
+    while cap is not None and plain + sum(len(r) for r in runs.values()) > cap:
+        for b, plan in plans.items():
+            assert plan.selected is not None
+            runs[b] = runs_of(plan.selected, gap)
+        gap *= 2
+        metrics.run_merges.inc()
+    for b, plan in plans.items():
+        covered = sum(run.end - run.start for run in runs[b])
+        if plan.selected is not None and covered != plan.selected.numel():
+            merged(plan, runs[b])
+
+
+def merged(plan: RequestPlan, runs: list[Run]) -> torch.Tensor:
+    """The positions of merged runs (# [k']), with the plan's stats brought in line."""
+    sel = torch.cat([torch.arange(a, z) for a, z in runs])  # host: planning
+    assert plan.stats is not None and plan.selected is not None
+    extra = planner.count_in(sel, plan.hit_spans) - planner.count_in(plan.selected, plan.hit_spans)
+    plan.stats = plan.stats._replace(
+        recomputed_tokens=int(sel.numel()),
+        reused_tokens=plan.stats.reused_tokens - extra,
+    )
+    plan.selected = sel
+    return sel
