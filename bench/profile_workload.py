@@ -68,14 +68,17 @@ PARTS = [
     ("attn_kernel", ("grouped_forward_extend", "_run_sdpa_forward_extend")),
     ("qkv_rope", ("forward_prepare_native",)),
     ("o_proj", ("RowParallelLinear",)),
-    ("store_kv", ("cachetune_ranking", "put_chunk", "ChunkExecutor._store", "KVAccess")),
+    ("store_kv", ("cachetune_ranking", "put_chunk", "NodeWriter.write", "KVAccess")),
     ("layer_other", ("LlamaDecoderLayer",)),
 ]
+# The chunk path's steps (sgl_pic.engine); selection ran inside phase 2 before the steps
+# were split out, so Select.run stays in that stage.
 STAGES = [
-    ("probe", "ChunkExecutor._query_attention"),
-    ("phase1", "ChunkExecutor._phase1"),
-    ("phase2", "ChunkExecutor._phase2"),
-    ("assemble", "ChunkExecutor._assemble"),
+    ("probe", "Signals.run"),
+    ("phase1", "Phase1.run"),
+    ("phase2", "Select.run"),
+    ("phase2", "Phase2.run"),
+    ("assemble", "Assemble.run"),
 ]
 
 
@@ -168,7 +171,7 @@ def extend_parts(base: dict[str, Any], pic: dict[str, Any]) -> dict[str, Any]:
     out["total"] = {"sgl_pic_s": round(total, 2), "ideal_s": round(base_total * work, 2)}
     ideal = max(base_total * work, 1e-9)
     out["stages"] = {}
-    for stage in [name for name, _ in STAGES] + ["sglang_extend"]:
+    for stage in [*dict.fromkeys(name for name, _ in STAGES), "sglang_extend"]:
         mine = sum(v for k, v in pic["seconds"].items() if k == stage or k.startswith(stage + "."))
         out["stages"][stage] = {"sgl_pic_s": round(mine, 2), "over_ideal": round(mine / ideal, 3)}
     out["of_which_probe_s"] = out["stages"]["probe"]["sgl_pic_s"]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 # lengths, which is all a phase batch is.
 SUPPORTED_BACKENDS = frozenset({"torch_native", "flashinfer", "fa3", "triton"})
 # Prefill CUDA graph backends the chunk path runs beside: batches with chunked requests
-# are kept off the graph (``plugin._prefill_graph_hook``) and run eagerly.
+# are kept off the graph (``hooks.prefill_graph_hook``) and run eagerly.
 PREFILL_GRAPH_BACKENDS = frozenset({"disabled", "breakable", "full"})
 # --kv-cache-dtype values SGLang maps to an unquantized pool (srt/mem_cache/kv_cache_dtype.py).
 KV_CACHE_DTYPES = frozenset({"auto", "float32", "float16", "bfloat16", "bf16"})
