@@ -3,29 +3,24 @@ runs it in its own process group), and HTTP helpers over it."""
 
 from __future__ import annotations
 
-import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import requests
 
-import sgl_pic.binding.metrics as pic_metrics
+from sgl_pic.binding.metric_series import declared_series
 from sgl_pic.cli.server_process import log_tail, server_process
 
 STARTUP_TIMEOUT_S = 420.0
 
 
-# The series PicMetrics declares, read from its source so that the test process need not
-# register them: a series absent from /metrics reads 0 only if it is one of these, so a
-# misspelt name fails the test instead of reading 0.
-DECLARED = frozenset(
-    re.findall(
-        r'(?:Counter|Gauge|Histogram)\(\s*"(sgl_pic_\w+)"', Path(pic_metrics.__file__).read_text()
-    )
-)
+# The series PicMetrics declares, read from their declarations (no Prometheus object is
+# made): a series absent from /metrics reads 0 only if it is one of these, so a misspelt
+# name fails the test instead of reading 0.
+DECLARED = frozenset(series.name for _, series in declared_series())
+assert "sgl_pic_phase_forwards" in DECLARED, "the metric declarations moved: read them here"
 
 
 class MetricDeltas(dict[str, float]):
