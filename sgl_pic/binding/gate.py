@@ -133,6 +133,26 @@ def namespace(
     return f"{INTERNAL_PREFIX}:{key}|{user_key or ''}"
 
 
+def restamped(extra_key: object, generation: int) -> str | None:
+    """``extra_key`` moved to ``generation`` when it is a chunked request's tree namespace
+    (``namespace``) of an earlier generation; None for any other key. A request admitted
+    before a deletion and matched after it must not reach the tree KV of its old
+    namespace (``ChunkRadixCache.match_prefix``)."""
+    if not isinstance(extra_key, str) or not extra_key.startswith(INTERNAL_PREFIX + ":"):
+        return None
+    head, sep, user = extra_key.partition("|")
+    if not sep:
+        return None
+    key = head[len(INTERNAL_PREFIX) + 1 :]
+    base, at, stamp = key.rpartition("@")
+    old = int(stamp) if at and stamp.isdigit() else 0
+    if not (at and stamp.isdigit()):
+        base = key
+    if old >= generation:
+        return None
+    return f"{INTERNAL_PREFIX}:{base}@{generation}|{user}"
+
+
 def first_out_of_vocab(
     token_ids: Sequence[int], vocab_size: int, allowed: frozenset[int] = frozenset()
 ) -> tuple[int, int] | None:
@@ -202,6 +222,10 @@ class AdmissionGate:
             return None
 
     def _admit(self, req: Any) -> str | None:
+        # Marks kept under this request id belong to an earlier request of the same id
+        # (SGLang refuses concurrent duplicates, not reuse after one ended without
+        # releasing): never this one's, whatever it carries.
+        self.marks.drop(req.rid)
         ids = req.origin_input_ids
         bad = first_out_of_vocab(ids, self.vocab_size, multimodal_pad_ids(req))
         if bad is not None:

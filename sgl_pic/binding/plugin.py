@@ -54,7 +54,7 @@ def build_tree_cache(ctx: Any) -> Any:
     ``PicRuntime`` that owns them (``runtime.set_current``)."""
     from sgl_pic.binding import radix_cache
     from sgl_pic.binding.fingerprint import server_fingerprint
-    from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks
+    from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks, restamped
     from sgl_pic.binding.metrics import PicMetrics
     from sgl_pic.binding.model_hooks import Support, check_support, install
     from sgl_pic.binding.model_rope import ModelRope, find_rotary, rope_spec
@@ -154,6 +154,9 @@ def build_tree_cache(ctx: Any) -> Any:
         ctx.params.req_to_token_pool,
     )
     deleter = Deleter(cache.chunk_nodes, cache, lower.store if lower is not None else None, metrics)
+    # A request admitted before a deletion and matched after it moves to the fresh tree
+    # namespace then, not only when admitted.
+    cache.set_restamp(lambda extra_key: restamped(extra_key, deleter.generation))
     executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,

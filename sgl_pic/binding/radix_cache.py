@@ -10,10 +10,17 @@ tree first, then frees chunk leaves, least recently used first.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
@@ -32,6 +39,7 @@ class ChunkRadixCache(UnifiedRadixCache):
     chunk_nodes: ChunkNodeTable | None = None
     on_chunk_change: Callable[[int], None] | None = None
     on_request_done: Callable[[str], None] | None = None
+    restamp: Callable[[str], str | None] | None = None
 
     def attach(
         self,
@@ -42,6 +50,39 @@ class ChunkRadixCache(UnifiedRadixCache):
         self.chunk_nodes = table
         self.on_chunk_change = on_chunk_change
         self.on_request_done = on_request_done
+
+    def set_restamp(self, restamp: Callable[[str], str | None]) -> None:
+        """``restamp(extra_key)``: the request's tree namespace after the deletions executed
+        since it was admitted, or None when it is current (``gate.restamped``). Scheduler
+        side; read by ``match_prefix``."""
+        self.restamp = restamp
+
+    # ------------------------------------------------------------------ matching
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """SGLang's match, after moving a request admitted before a deletion to the
+        namespace of the deletions since: a request queued across ``POST /pic/delete``
+        never matches tree KV of its old namespace, which a running request may still hold
+        or insert. Only a request holding no KV yet moves (its first match, or after a
+        retraction released it): one mid-way through chunked prefill keeps the namespace
+        its KV is already inserted under. Scheduler side."""
+        req = params.req
+        # SGLang 0.5.23's Req keeps the KV it holds in ``req.kv`` (``ReqKvInfo``).
+        if self.restamp is not None and req is not None and req.kv.kv_allocated_len == 0:
+            moved = self.restamp(req.extra_key)
+            if moved is not None:
+                req.extra_key = moved
+                key = params.key
+                params = dataclasses.replace(
+                    params,
+                    key=RadixKey(
+                        key.token_ids,
+                        extra_key=moved,
+                        is_bigram=key.is_bigram,
+                        limit=key.limit,
+                        cache_salt=key.cache_salt,
+                    ),
+                )
+        return super().match_prefix(params)
 
     def _changed(self) -> None:
         if self.on_chunk_change is not None and self.chunk_nodes is not None:

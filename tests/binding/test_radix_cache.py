@@ -428,3 +428,40 @@ def test_the_scheduler_reaches_the_cache_on_every_abort_path() -> None:
     env.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
     env.cache.finish(sglang_req("ok").cache_request_handle, CacheRequestOutcome.SUCCESS)
     assert done == ["queued"]
+
+
+def test_a_request_queued_across_a_deletion_moves_to_the_fresh_namespace() -> None:
+    """A request admitted before a deletion (its tree namespace of the old generation) and
+    matched after it neither matches the old namespace's KV nor inserts into it; one that
+    already holds KV (mid-way through chunked prefill) keeps its namespace."""
+    from sgl_pic.binding.gate import namespace, restamped
+    from sgl_pic.config import PicConfig
+    from sgl_pic.engine.deleter import Deleter
+    from sgl_pic.store.deletion import Deletion
+
+    env = Env(1)
+    deleter = Deleter(env.table, env.cache)
+    env.cache.set_restamp(lambda k: restamped(k, deleter.generation))
+    old = namespace(PicConfig(), "tenant", generation=deleter.generation)
+    slots = env.alloc.alloc(len(TREE_B))
+    env.cache.insert(InsertParams(key=RadixKey(array("q", TREE_B), old), value=slots))
+    held = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", TREE_B), old)))
+    lock = env.cache.lock(held.last_device_node)  # a running request keeps it
+    queued, midway = sglang_req("queued"), sglang_req("midway")
+    queued.extra_key = midway.extra_key = old
+    midway.kv.kv_allocated_len = 4  # holds KV from its first piece
+    deleter.execute(Deletion(namespaces=frozenset({""})))
+    fresh = namespace(PicConfig(), "tenant", generation=deleter.generation)
+
+    def match(req: Any) -> int:
+        params = MatchPrefixParams(key=RadixKey(array("q", TREE_B), req.extra_key), req=req)
+        return env.cache.match_prefix(params).device_prefix_len
+
+    assert match(queued) == 0 and queued.extra_key == fresh
+    assert match(midway) == len(TREE_B) and midway.extra_key == old
+    # Keys that are not a chunked request's tree namespace, or current, never move.
+    assert restamped(fresh, deleter.generation) is None
+    assert restamped("tenant", deleter.generation) is None
+    assert restamped("untrusted-namespace:" + old, deleter.generation) is None
+    env.cache.unlock(lock)
+    env.conserved()
