@@ -408,3 +408,14 @@ def test_the_gate_leaves_no_attribute_on_sglangs_request(metrics: PicMetrics) ->
     pending = MARKS.get("rid-7")
     assert pending is not None and pending.token_ids == tuple(IDS)
     assert r.extra_key is not None and r.extra_key.startswith("sgl_pic:")
+
+
+def test_a_request_reusing_an_earlier_ones_id_never_gets_its_marks(metrics: PicMetrics) -> None:
+    """Marks are kept by request id: a later request of the same id, plain or with marks
+    that are not honoured, must not find the earlier one's (with its tenant's namespaces)."""
+    g = gate(metrics)
+    first = req(IDS, signed(IDS, [[0, 5], [5, 12]]), "tenant-A")
+    assert g.admit(first) is None and MARKS.get("r1") is not None
+    plain = req(IDS, None, "tenant-B")  # the same rid and tokens, no marks
+    assert g.admit(plain) is None
+    assert MARKS.get("r1") is None
