@@ -86,7 +86,11 @@ class NodeEviction:
             if first is None:
                 victims.sort(key=self.order)
             else:
-                victims.sort(key=lambda n: (n.namespace != first, *self.order(n)))
+                own = [n for n in victims if n.namespace == first]
+                # Removing a leaf of ``first`` may expose its parent segment as a leaf:
+                # evict only ``first``'s leaves this round and look again before any
+                # other namespace's.
+                victims = sorted(own, key=self.order) if own else sorted(victims, key=self.order)
             for n in victims:
                 freed += self._remove(n)
                 self.evicted += 1

@@ -700,6 +700,21 @@ def test_one_namespaces_churn_never_evicts_anothers_within_its_cap(
     assert_released(table, alloc)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "gdsf"])
+def test_a_full_table_takes_the_inserters_multi_segment_chunks_before_anothers(
+    policy: str,
+) -> None:
+    """Evicting a chunk's last segment exposes the one before it as a leaf: the inserting
+    namespace's whole chunk goes before another namespace's leaves within its cap."""
+    alloc = FakeAllocator(100)
+    table = ChunkNodeTable(alloc, FP, SEG, 5 * SEG, policy, namespace_max_tokens=5 * SEG)
+    assert table.insert(toks(100, 3 * SEG), None, "A")  # one chunk of three segments
+    assert table.insert(toks(200, SEG), None, "B") and table.insert(toks(300, SEG), None, "B")
+    assert table.insert(toks(400, 2 * SEG), None, "A") is not None
+    assert table.tokens_by_namespace() == {"A": 3 * SEG, "B": 2 * SEG}
+    assert_released(table, alloc)
+
+
 def test_without_a_cap_churn_evicts_across_namespaces() -> None:
     alloc = FakeAllocator(64)
     table = ChunkNodeTable(alloc, FP, SEG, 48, "lru")
