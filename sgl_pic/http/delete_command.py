@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sgl_pic.engine.tenants import isolation_namespace
+from sgl_pic.http.body_checks import check_unicode
 from sgl_pic.http.spans import MarkSigner
 from sgl_pic.layout import LayoutError
 from sgl_pic.store.deletion import Deletion, segment_contents
@@ -155,14 +156,18 @@ def parse_body(
             check_ids(value, "input_ids")
             chunks.append(value)
     contents = None
-    if chunks:
-        contents = frozenset().union(*(segment_contents(c, segment_tokens) for c in chunks))
-    if namespaces is None and contents is None:
-        raise LayoutError(
-            'name what to delete: \'namespace\' (e.g. {"extra_key": "tenant-A"}, {} for the '
-            "default), and/or content as 'text' or 'input_ids'"
-        )
-    return Deletion(namespaces=namespaces, contents=contents)
+    try:
+        if chunks:
+            contents = frozenset().union(*(segment_contents(c, segment_tokens) for c in chunks))
+        if namespaces is None and contents is None:
+            raise LayoutError(
+                'name what to delete: \'namespace\' (e.g. {"extra_key": "tenant-A"}, {} for '
+                "the default), and/or content as 'text' or 'input_ids'"
+            )
+        return Deletion(namespaces=namespaces, contents=contents)
+    except (ValueError, OverflowError) as e:
+        # Ids past 32 bits (where the vocabulary is unknown), too many segments.
+        raise LayoutError(str(e)) from e
 
 
 def _namespace(value: Any) -> str:
@@ -179,4 +184,6 @@ def _namespace(value: Any) -> str:
     for k in NAMESPACE_FIELDS:
         if value.get(k) is not None and not isinstance(value[k], str):
             raise LayoutError(f"'namespace.{k}' must be a string or null")
+        if isinstance(value.get(k), str):
+            check_unicode(value[k], f"'namespace.{k}'")
     return isolation_namespace(value.get("extra_key"), value.get("cache_salt"))

@@ -38,6 +38,12 @@ def segment_contents(token_ids: Sequence[int], segment_tokens: int) -> frozenset
     )
 
 
+# Most segment contents one order names: its shared-store tombstone (about 70 bytes per
+# digest) must stay under the log's 1 MiB per tombstone, or the order would stop half-way
+# on a server sharing a store and fail the same way each time it is sent again.
+MAX_CONTENTS = 8192
+
+
 @dataclass(frozen=True)
 class Deletion:
     """One deletion order: records whose namespace is in ``namespaces`` (None: any) AND
@@ -65,6 +71,11 @@ class Deletion:
                 raise ValueError(f"a Deletion's {name} is None (any) or non-empty")
             if not all(isinstance(v, str) for v in value):
                 raise ValueError(f"a Deletion's {name} are strings")
+        if self.contents is not None and len(self.contents) > MAX_CONTENTS:
+            raise ValueError(
+                f"a deletion names at most {MAX_CONTENTS} segments of content, this one "
+                f"{len(self.contents)}: delete in smaller batches"
+            )
 
     def matches_namespace(self, namespace: str) -> bool:
         """Whether a record of ``namespace`` can match (its content not yet checked)."""

@@ -49,14 +49,17 @@ class Scheduler:
 
 
 def client(
-    monkeypatch: pytest.MonkeyPatch, api_key: str | None = None, admin_api_key: str | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    vocab_size: int | None = 1000,
 ) -> tuple[TestClient, Scheduler]:
     from sglang.srt.utils.auth import add_api_key_middleware
 
     sched = Scheduler()
     monkeypatch.setattr(delete_http, "submit_internal", sched.submit)
     app = FastAPI()
-    translator = RequestTranslator(CONFIG, FakeTokenizer, signer=SIGNER, vocab_size=1000)
+    translator = RequestTranslator(CONFIG, FakeTokenizer, signer=SIGNER, vocab_size=vocab_size)
     delete_http.install(app, translator, SIGNER, CONFIG.segment_tokens)
     app.add_middleware(PicHTTPMiddleware, translator=translator)
     if api_key or admin_api_key:
@@ -90,6 +93,25 @@ def test_malformed_bodies_get_a_400_and_nothing_is_sent(
     monkeypatch: pytest.MonkeyPatch, body: Any
 ) -> None:
     c, sched = client(monkeypatch)
+    r = post(c, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] and sched.orders == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"namespace": {"extra_key": "\\ud800"}}',  # a lone surrogate in a tenant's key
+        {"input_ids": [2**32]},  # past 32 bits, where the vocabulary is unknown
+        {"input_ids": [10**23]},
+        # more segments than one order may name (its tombstone must stay small)
+        {"input_ids": [[i] for i in range(9000)]},
+    ],
+)
+def test_bodies_that_once_raised_in_the_route_get_a_400(
+    monkeypatch: pytest.MonkeyPatch, body: Any
+) -> None:
+    c, sched = client(monkeypatch, vocab_size=None)
     r = post(c, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] and sched.orders == []
