@@ -202,34 +202,44 @@ class SharedReader:
                 self.headers.forget(key)
         raise AssertionError("unreachable")
 
-    def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
+    def _load(
+        self,
+        key: str,
+        token_ids: Sequence[int] | None,
+        read: Callable[[RecordHeader], _Read | None],
+        bad: tuple[type[Exception], ...],
+    ) -> tuple[RecordHeader, torch.Tensor, torch.Tensor] | None:
+        """``get``'s and ``get_layers``' read: the header and K/V of ``key`` read by
+        ``read``, counted as a hit, or None counted as a miss. Errors of the kinds ``bad``
+        count the object as bad; any other propagates (the caller's mistake)."""
+        header: RecordHeader | None = None
+        res: _Read | None = None
         try:
-            header, res = self._read_checked(
-                key,
-                token_ids,
-                lambda h: self._read(
-                    key, h, range(h.num_layers), np.arange(h.num_tokens, dtype=np.int64)
-                ),
-            )
-            if header is None:
-                self.counts.add("misses")
-                return None
+            header, res = self._read_checked(key, token_ids, read)
         except (BackendUnavailable, BackendError) as exc:
             if isinstance(exc, BackendError):
                 self._bad(key, exc)
-            self.counts.add("misses")
-            return None
-        except StoreError as exc:
+        except bad as exc:
             self._bad(key, exc)
-            self.counts.add("misses")
-            return None
-        if res is None:
-            self.headers.forget(key)
+        else:
+            if header is not None and res is None:
+                self.headers.forget(key)
+        if header is None or res is None:
             self.counts.add("misses")
             return None
         k, v, nbytes = res
         self.counts.add("hits")
         self.counts.add("bytes_read", nbytes)
+        return header, k, v
+
+    def get(self, key: str, token_ids: Sequence[int] | None = None) -> ChunkKV | None:
+        def every(h: RecordHeader) -> _Read | None:
+            return self._read(key, h, range(h.num_layers), np.arange(h.num_tokens, dtype=np.int64))
+
+        got = self._load(key, token_ids, every, (StoreError,))
+        if got is None:
+            return None
+        header, k, v = got
         return ChunkKV(
             key=key,
             model_digest=header.model_digest,
@@ -254,27 +264,10 @@ class SharedReader:
             idx = normalize_indices(token_indices, h.num_tokens)
             return self._read(key, h, offsets, idx.numpy())
 
-        try:
-            header, res = self._read_checked(key, token_ids, read)
-            if header is None:
-                self.counts.add("misses")
-                return None
-        except (BackendUnavailable, BackendError) as exc:
-            if isinstance(exc, BackendError):
-                self._bad(key, exc)
-            self.counts.add("misses")
+        got = self._load(key, token_ids, read, (CorruptRecordError, TruncatedRecordError))
+        if got is None:
             return None
-        except (CorruptRecordError, TruncatedRecordError) as exc:
-            self._bad(key, exc)
-            self.counts.add("misses")
-            return None
-        if res is None:
-            self.headers.forget(key)
-            self.counts.add("misses")
-            return None
-        k, v, nbytes = res
-        self.counts.add("hits")
-        self.counts.add("bytes_read", nbytes)
+        header, k, v = got
         idx = normalize_indices(token_indices, header.num_tokens)
         moved = 2 * len(layers) * idx.numel() * header.row_bytes  # as the other tiers count
         return LayerKV(key, layers, idx, k, v, bytes_read=moved)
