@@ -145,10 +145,9 @@ def restamped(extra_key: object, generation: int) -> str | None:
         return None
     key = head[len(INTERNAL_PREFIX) + 1 :]
     base, at, stamp = key.rpartition("@")
-    old = int(stamp) if at and stamp.isdigit() else 0
-    if not (at and stamp.isdigit()):
-        base = key
-    if old >= generation:
+    if not (at and stamp.isdigit()):  # generation 0 carries no stamp
+        base, stamp = key, "0"
+    if int(stamp) >= generation:
         return None
     return f"{INTERNAL_PREFIX}:{base}@{generation}|{user}"
 
