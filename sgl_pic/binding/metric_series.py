@@ -64,8 +64,18 @@ class PicSeries:
     fallbacks = Series(
         Counter,
         "sgl_pic_fallbacks",
-        "Chunked request pieces run without reuse (chunked-prefill pieces before the last, "
-        "or input logprobs)",
+        "Chunked request pieces run without reuse (input logprobs, or no scratch row or "
+        "slots to plan a request split into prefill pieces)",
+    )
+    split_requests = Series(
+        Counter,
+        "sgl_pic_split_requests",
+        "Chunked requests planned whole at their first of several prefill pieces",
+    )
+    pieces = Series(
+        Counter,
+        "sgl_pic_prefill_pieces",
+        "Prefill pieces of split chunked requests run with their request's plan",
     )
     resumed = Series(
         Counter,

@@ -65,6 +65,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.engine.chunk_nodes import ChunkNodeTable
     from sgl_pic.engine.deleter import Deleter
     from sgl_pic.engine.executor import ChunkExecutor
+    from sgl_pic.engine.forwards import HiddenSpec
     from sgl_pic.engine.kv_access import KVAccess
     from sgl_pic.engine.tenants import tenant_policy
     from sgl_pic.http.spans import MarkSigner
@@ -171,6 +172,7 @@ def build_tree_cache(ctx: Any) -> Any:
         admission=StoreAdmission(settings.admission),
         reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
         sync_deletions=deleter.sync if lower is not None else None,
+        hidden=HiddenSpec(int(hf.hidden_size), runner.dtype),
     )
     signer = MarkSigner(settings.secret) if settings.secret else None
     gate = AdmissionGate(
@@ -184,6 +186,9 @@ def build_tree_cache(ctx: Any) -> Any:
         marks,
     )
     runtime = PicRuntime(gate, metrics, executor, phases)
+    cache.set_split_requests(
+        runtime.request_done, lambda: executor.pieces.held_tokens, executor.pieces.forget_all
+    )
     if shutdown is not None:
         # The promoter reads from the tiers: its worker is joined before they stop.
         shutdown.before.append(runtime.close)

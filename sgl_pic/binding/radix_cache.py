@@ -40,6 +40,8 @@ class ChunkRadixCache(UnifiedRadixCache):
     on_chunk_change: Callable[[int], None] | None = None
     on_request_done: Callable[[str], None] | None = None
     restamp: Callable[[str], str | None] | None = None
+    held_tokens: Callable[[], int] | None = None
+    on_reset: Callable[[], None] | None = None
 
     def attach(
         self,
@@ -50,6 +52,21 @@ class ChunkRadixCache(UnifiedRadixCache):
         self.chunk_nodes = table
         self.on_chunk_change = on_chunk_change
         self.on_request_done = on_request_done
+
+    def set_split_requests(
+        self,
+        on_request_done: Callable[[str], None],
+        held_tokens: Callable[[], int],
+        on_reset: Callable[[], None],
+    ) -> None:
+        """What requests split into prefill pieces need (``engine.pieces``):
+        ``on_request_done`` replaces the one ``attach`` set (the runtime's, once built, drops
+        marks and carried plans); ``held_tokens()``: slots held for carried plans, reported
+        as protected; ``on_reset()``: a flush reset the allocator and request table under
+        them. Scheduler side."""
+        self.on_request_done = on_request_done
+        self.held_tokens = held_tokens
+        self.on_reset = on_reset
 
     def set_restamp(self, restamp: Callable[[str], str | None]) -> None:
         """``restamp(extra_key)``: the request's tree namespace after the deletions executed
@@ -106,7 +123,8 @@ class ChunkRadixCache(UnifiedRadixCache):
         return 0 if self.chunk_nodes is None else self.chunk_nodes.evictable_tokens
 
     def _chunk_protected(self) -> int:
-        return 0 if self.chunk_nodes is None else self.chunk_nodes.protected_tokens
+        held = 0 if self.held_tokens is None else self.held_tokens()
+        return held + (0 if self.chunk_nodes is None else self.chunk_nodes.protected_tokens)
 
     def evictable_size(self) -> int:
         return super().evictable_size() + self._chunk_evictable()
@@ -175,6 +193,8 @@ class ChunkRadixCache(UnifiedRadixCache):
             # flush_cache clears the allocator right after resetting the tree.
             self.chunk_nodes.clear(free=False)
             self._changed()
+        if self.on_reset is not None:
+            self.on_reset()
 
     def available_and_evictable_str(self) -> str:
         base = super().available_and_evictable_str()

@@ -14,8 +14,8 @@ Scheduler side: runs in the scheduler's event loop, between forwards.
     admit()          - checks a request before SGLang queues it; honoured marks go into
                        ``marks`` under its request id.
     prepare_batch()  - makes an extend batch's hand-off: its requests with marks.
-    (request end)    - the radix cache drops the marks of a request SGLang finished or
-                       aborted (``ChunkRadixCache.on_request_done``).
+    request_done()   - SGLang finished or aborted a request (``ChunkRadixCache``): its
+                       marks and any plan carried for its next prefill pieces go.
 Worker side: runs in the model runner's forward.
     on_extend()      - takes the hand-off and runs the batch's chunk execution, or None.
     on_bypass()      - drops the hand-off of a batch the executor cannot take (counted).
@@ -96,6 +96,13 @@ class PicRuntime:
                 continue
             handoff[req.rid] = pending
         self._handoff = handoff
+
+    def request_done(self, rid: str) -> None:
+        """Scheduler side, when SGLang ends request ``rid`` (finished or aborted): its
+        marks are dropped, and a plan carried for its next prefill pieces with them."""
+        self.marks.drop(rid)
+        if self.executor is not None:
+            self.executor.request_done(rid)
 
     @property
     def handoff(self) -> dict[str, Pending]:

@@ -22,6 +22,7 @@ from sgl_pic.binding.metrics import PicMetrics
 from sgl_pic.binding.phases import Run
 from sgl_pic.config import PicConfig
 from sgl_pic.engine import planner
+from sgl_pic.engine.pieces import CarriedPlan, PiecePlans
 from sgl_pic.engine.planner import RequestPlan
 from sgl_pic.store.admission import BatchAdmission
 
@@ -40,17 +41,39 @@ class ChunkSpec(NamedTuple):
     pool_idx:   its row of SGLang's ``req_to_token``.
     prefix:     its device prefix length (tokens SGLang's prefix tree already holds).
     pending:    its verified marks (``gate.Pending``).
-    config:     its effective config (the server's with its overrides)."""
+    config:     its effective config (the server's with its overrides).
+    piece_end:  where this batch's extend of it ends: its prompt's length, or less for the
+                first of several prefill pieces (planned whole, ``pieces``)."""
 
     row_offset: int
     pool_idx: int
     prefix: int
     pending: Pending
     config: PicConfig
+    piece_end: int
+
+    @property
+    def first_piece(self) -> bool:
+        return self.piece_end < len(self.pending.token_ids)
 
     def plan(self) -> RequestPlan:
         """A fresh plan for one attempt."""
-        return RequestPlan(self.row_offset, self.pool_idx, self.prefix, self.pending, self.config)
+        return RequestPlan(
+            self.row_offset, self.pool_idx, self.prefix, self.pending, self.config, self.piece_end
+        )
+
+
+class PieceSpec(NamedTuple):
+    """A later prefill piece [start, end) of a request planned at its first piece: its
+    rows from ``row_offset`` in the live batch, its own row ``live_row`` of SGLang's
+    request table, and the plan carried for it (``pieces.CarriedPlan``)."""
+
+    rid: str
+    row_offset: int
+    live_row: int
+    start: int
+    end: int
+    carried: CarriedPlan
 
 
 class HitCopy(NamedTuple):
@@ -75,7 +98,11 @@ class BatchContext:
     query_scores: the query-aware signal # [prompt_len] of each plan the shared probe
                 pass covered, by batch index (``Signals`` writes, ``Select`` reads).
     probe_seconds: how long that pass took (added to each covered plan's selection time).
-    runs:       each plan's phase-2 runs (``Select`` writes, ``Phase2`` reads).
+    runs:       each plan's phase-2 runs (``Select`` writes, ``Pieces`` clips a first
+                piece's to it, ``Phase2`` reads); a later piece's runs, by batch index.
+    full_runs:  a first piece's runs over its whole prompt, carried to its next pieces.
+    rows:       the request-table row phase 2 runs each chunked request's runs over (a
+                planned-whole request's scratch row, ``pieces``).
     hidden:     the batch's hidden states # [n, hidden] (``Phase2`` writes)."""
 
     stack: Stack
@@ -86,6 +113,8 @@ class BatchContext:
     query_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     probe_seconds: float = 0.0
     runs: dict[int, list[Run]] = field(default_factory=dict)
+    full_runs: dict[int, list[Run]] = field(default_factory=dict)
+    rows: dict[int, int] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
 
 
@@ -95,40 +124,61 @@ class Step(Protocol):
     def run(self, plans: Plans, ctx: BatchContext) -> None: ...
 
 
+class BatchSpecs(NamedTuple):
+    """The live batch's requests the chunk path takes, by batch index: requests planned in
+    this batch (``specs``) and later pieces of requests planned earlier (``pieces``)."""
+
+    specs: dict[int, ChunkSpec]
+    pieces: dict[int, PieceSpec]
+
+
 def chunk_specs(
-    live: Any, handoff: Mapping[str, Pending], config: PicConfig, metrics: PicMetrics
-) -> dict[int, ChunkSpec]:
-    """The live batch's requests the chunk path takes, by batch index: those of the
-    hand-off whose extend covers exactly their verified tokens. A request resuming after a
-    retraction (more tokens: its prompt and output so far) runs as SGLang would, counted
-    as resumed; a chunked-prefill piece before the last, or one asking for logprobs of
-    input tokens (rows this path leaves zero), runs as SGLang would, counted as a
-    fallback."""
+    live: Any,
+    handoff: Mapping[str, Pending],
+    config: PicConfig,
+    metrics: PicMetrics,
+    carried: PiecePlans,
+) -> BatchSpecs:
+    """The live batch's requests the chunk path takes: those of the hand-off whose extend
+    covers their verified tokens, or a prefill piece of them. A piece that starts where
+    the request's carried plan left off runs that plan's share; any other extend that
+    ends inside the prompt is a first piece, planned whole (a carried plan it does not
+    follow is dropped first). A request resuming after a retraction (more tokens: its
+    prompt and output so far) runs as SGLang would, counted as resumed; one asking for
+    logprobs of input tokens (rows this path leaves zero) runs as SGLang would, counted as
+    a fallback."""
     rids = live.rids
     if not handoff or rids is None:
-        return {}
+        return BatchSpecs({}, {})
     pool_idx = planner.pool_rows(live)
     prefix_lens = list(live.extend_prefix_lens_cpu)
     ext_lens = list(live.extend_seq_lens_cpu)
     specs: dict[int, ChunkSpec] = {}
+    pieces: dict[int, PieceSpec] = {}
     row = 0
     for b, idx in enumerate(pool_idx):
-        pending = handoff.get(rids[b])
-        total = prefix_lens[b] + ext_lens[b]
+        rid = rids[b]
+        pending = handoff.get(rid)
+        start, end = prefix_lens[b], prefix_lens[b] + ext_lens[b]
         if pending is not None:
-            if total > len(pending.token_ids):
+            plan = carried.get(rid)
+            if plan is not None and (start != plan.next_start or end > plan.num_tokens):
+                carried.drop(rid)
+                plan = None
+            if end > len(pending.token_ids):
                 # SGLang retracted it under KV pressure (``retract_decode``) and now
                 # prefills its prompt and the output so far again: its prompt's KV comes
                 # from its own namespace of the prefix tree where still held, the rest
                 # is computed as SGLang would. Not a fallback: the prompt was served.
-                logger.info("sgl_pic: request %s resumes after a retraction", rids[b])
+                logger.info("sgl_pic: request %s resumes after a retraction", rid)
                 metrics.resumed.inc()
-            elif total != len(pending.token_ids) or planner.wants_input_logprobs(live, b):
-                logger.warning("sgl_pic: request %s runs without reuse", rids[b])
+            elif planner.wants_input_logprobs(live, b):
+                logger.warning("sgl_pic: request %s runs without reuse", rid)
                 metrics.fallbacks.inc()
+                carried.drop(rid)
+            elif plan is not None:
+                pieces[b] = PieceSpec(rid, row, idx, start, end, plan)
             else:
-                specs[b] = ChunkSpec(
-                    row, idx, prefix_lens[b], pending, pending.request.config(config)
-                )
+                specs[b] = ChunkSpec(row, idx, start, pending, pending.request.config(config), end)
         row += ext_lens[b]
-    return specs
+    return BatchSpecs(specs, pieces)

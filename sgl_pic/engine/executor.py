@@ -40,13 +40,15 @@ from sgl_pic.binding.phases import PhaseRunner
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.batch import BatchContext, ChunkSpec, Plans, Stack, chunk_specs
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
-from sgl_pic.engine.forwards import PhaseForwards
+from sgl_pic.engine.forwards import HiddenSpec, PhaseForwards
 from sgl_pic.engine.kv_access import KVAccess, single_thread
 from sgl_pic.engine.layer_feed import FeedTimeout, MissingChunkError
 from sgl_pic.engine.lookup import Assemble, Lookup, Release
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.phase1 import NodeWriter, NoScratchRows, Phase1
 from sgl_pic.engine.phase2 import Phase2
+from sgl_pic.engine.piece_steps import FirstPieces
+from sgl_pic.engine.pieces import PiecePlans, Reservation, clip
 from sgl_pic.engine.promoter import Promote, Promoter
 from sgl_pic.engine.select import Select
 from sgl_pic.engine.signals import Signals
@@ -74,6 +76,8 @@ class ChunkExecutor:
                to the chunk nodes (``Deleter.sync``); called before each batch's lookups,
                so a chunk deleted anywhere is not found here afterwards. None: nothing to
                sync.
+    hidden:    the decoder stack's output rows (a batch of prefill pieces with nothing to
+               recompute runs no forward).
     Worker side: ``forward`` runs on the scheduler's forward thread."""
 
     def __init__(
@@ -91,6 +95,7 @@ class ChunkExecutor:
         admission: StoreAdmission | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         sync_deletions: Callable[[], object] | None = None,
+        hidden: HiddenSpec | None = None,
     ) -> None:
         self.config = settings_config
         self.sync_deletions = sync_deletions
@@ -100,7 +105,9 @@ class ChunkExecutor:
         self.metrics = metrics
         self.phases = phases
         self.admission = admission
-        forwards = PhaseForwards(kv, phases, metrics, lower, feed_mode, feed_timeout_s, reduce)
+        forwards = PhaseForwards(
+            kv, phases, metrics, lower, feed_mode, feed_timeout_s, reduce, hidden
+        )
         self.writer = NodeWriter(nodes, kv, metrics.node_insert_failures.inc)
         self.promoter = Promoter(
             nodes,
@@ -117,6 +124,17 @@ class ChunkExecutor:
         self.phase2 = Phase2(forwards)
         self.promote = Promote(self.promoter)
         self.release = Release(nodes, forwards)
+        self.first_pieces = FirstPieces(forwards)
+        self.pieces = PiecePlans(
+            phases.req_to_token,
+            phases.scratch_rows,
+            phases.free_rows,
+            nodes.allocator,
+            nodes.evict,
+            kv,
+        )
+        # First pieces' reservations while their batch runs, by scratch row.
+        self._reserved: dict[int, Reservation] = {}
 
     # ----------------------------------------------------------------- entry point
     def forward(
@@ -131,26 +149,72 @@ class ChunkExecutor:
         marks of the batch's chunked requests by request id (``PicRuntime.prepare_batch``)."""
         if len(self.promoter):
             self.promoter.finish_ready()
-        specs = chunk_specs(live, handoff, self.config, self.metrics)
-        if not specs:
+        specs, pieces = chunk_specs(live, handoff, self.config, self.metrics, self.pieces)
+        specs = self._reserve(specs)
+        if not specs and not pieces:
             return None
         if self.sync_deletions is not None:
             self.sync_deletions()
         admission = BatchAdmission(self.admission)
+        ctx = BatchContext(stack, input_ids, live, admission)
+        for b, piece in pieces.items():
+            ctx.runs[b] = clip(piece.carried.runs, piece.start, piece.end)
+            ctx.rows[b] = piece.carried.row
         try:
-            hidden = self._attempts(specs, BatchContext(stack, input_ids, live, admission))
+            hidden = self._attempts(specs, ctx)
             self.export_sizes()
         except BaseException:
             admission.abandon()  # the runtime reruns it as plain prefill
+            # Pieces planned here are not carried; later pieces of requests carried into
+            # this batch would attend KV the rerun left out of the scratch row.
+            for spec in specs.values():
+                if spec.first_piece:
+                    self.pieces.release(self._reserved.pop(spec.pool_idx))
+            for piece in pieces.values():
+                self.pieces.drop(piece.rid)
             raise
+        for b, spec in specs.items():
+            if spec.first_piece:
+                reservation = self._reserved.pop(spec.pool_idx)
+                self.pieces.keep(live.rids[b], reservation, ctx.full_runs[b])
+                self.metrics.split_requests.inc()
+        for piece in pieces.values():
+            self.pieces.advance(piece.rid, piece.live_row, piece.start, piece.end)
+        self.metrics.pieces.inc(len(pieces) + sum(s.first_piece for s in specs.values()))
         return hidden
+
+    def _reserve(self, specs: dict[int, ChunkSpec]) -> dict[int, ChunkSpec]:
+        """``specs`` with each first piece moved onto a scratch row for its whole prompt
+        (``PiecePlans.reserve``); a first piece that gets none runs as SGLang would,
+        counted as a fallback."""
+        out: dict[int, ChunkSpec] = {}
+        for b, spec in specs.items():
+            if not spec.first_piece:
+                out[b] = spec
+                continue
+            reservation = self.pieces.reserve(
+                spec.pool_idx, spec.piece_end, len(spec.pending.token_ids)
+            )
+            if reservation is None:
+                logger.warning(
+                    "sgl_pic: no scratch row or slots for a request planned over several "
+                    "prefill pieces; this piece runs without reuse"
+                )
+                self.metrics.fallbacks.inc()
+                continue
+            self._reserved[reservation.row] = reservation
+            out[b] = spec._replace(pool_idx=reservation.row)
+        return out
 
     def _attempts(self, specs: dict[int, ChunkSpec], ctx: BatchContext) -> torch.Tensor:
         """Runs the batch's steps, a second time if a stored chunk goes bad mid-load;
-        # [n, hidden]."""
+        # [n, hidden]. Later pieces of requests planned earlier (``ctx.runs`` and
+        ``ctx.rows`` set for them) take part in phase 2 only."""
+        carried = dict(ctx.runs)
         for attempt in range(2):
             plans: Plans = {b: spec.plan() for b, spec in specs.items()}
             ctx.copies = []
+            ctx.runs = dict(carried)
             t0 = time.perf_counter()
             try:
                 with single_thread():
@@ -160,6 +224,7 @@ class ChunkExecutor:
                 t1 = time.perf_counter()
                 self.signals.run(plans, ctx)
                 self.select.run(plans, ctx)
+                self.first_pieces.run(plans, ctx)
                 self.phase2.run(plans, ctx)
                 t2 = time.perf_counter()
                 with single_thread():
@@ -222,6 +287,11 @@ class ChunkExecutor:
             tiers["host"] = self.lower.store.host.bytes_by_namespace()
             tiers["disk"] = self.lower.store.disk.bytes_by_namespace()
         self.metrics.record_namespace_sizes(self.nodes.tokens_by_namespace(), tiers)
+
+    def request_done(self, rid: str) -> None:
+        """Scheduler side: SGLang ended request ``rid``; a plan carried for its next
+        prefill pieces is dropped, its scratch row and slots given back."""
+        self.pieces.drop(rid)
 
     def close(self) -> None:
         """Joins the promoter's worker (shutdown)."""

@@ -6,7 +6,7 @@ scheduler's forward thread)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,14 @@ from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.planner import RequestPlan
 
 
+class HiddenSpec(NamedTuple):
+    """The decoder stack's output rows: width and dtype (the model's hidden size and
+    dtype)."""
+
+    size: int
+    dtype: torch.dtype
+
+
 class PhaseForwards:
     """kv:      the KV pool's reader/writer.
     phases:    runs phase batches through SGLang's backend and the decoder stack.
@@ -26,7 +34,9 @@ class PhaseForwards:
     lower:     host and disk tiers, or None when both are off.
     feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder").
     feed_timeout_s: longest wait for one layer of lower-tier KV (``FeedTimeout`` past it).
-    reduce:    sums a device tensor over the tensor-parallel ranks (None on one rank)."""
+    reduce:    sums a device tensor over the tensor-parallel ranks (None on one rank).
+    hidden:    the decoder stack's output rows, for a batch that needs no forward at all
+               (``empty_hidden``); None where the caller never has one."""
 
     def __init__(
         self,
@@ -37,8 +47,10 @@ class PhaseForwards:
         feed_mode: str = "threaded",
         feed_timeout_s: float = 30.0,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        hidden: HiddenSpec | None = None,
     ) -> None:
         self.kv = kv
+        self.hidden = hidden
         self.phases = phases
         self.metrics = metrics
         self.lower = lower
@@ -60,6 +72,12 @@ class PhaseForwards:
         self.metrics.phase_forward_tokens.labels(phase=kind).inc(tokens)
         self.metrics.phase_attended_keys.labels(phase=kind).inc(attended_keys(phase.subrequests))
         return self.phases.run(stack, phase, **callbacks)
+
+    def empty_hidden(self, n: int) -> torch.Tensor:
+        """# [n, hidden] zeros: the stack's output for a batch no row of which is read."""
+        if self.hidden is None:
+            raise RuntimeError("the decoder stack's hidden size is not known here")
+        return torch.zeros((n, self.hidden.size), dtype=self.hidden.dtype, device=self.kv.device)
 
     def feed(self, plan: RequestPlan, sel: torch.Tensor, mode: str | None = None) -> LayerFeed:
         """The layer feed of a request's lower-tier chunks: each loads the tokens ``sel``

@@ -20,8 +20,9 @@ from sgl_pic.engine.layer_feed import LayerFeed
 
 
 class Phase2:
-    """Reads: ``ctx.runs`` (``Select``), each plan's selection and lower-tier hits, the
-    live batch's plain requests. Writes: the recomputed positions' KV, the lower-tier
+    """Reads: ``ctx.runs`` (``Select``, ``FirstPieces``; later prefill pieces' set by the
+    executor) and ``ctx.rows``, each plan's selection and lower-tier hits, the live batch's
+    plain requests. Writes: the recomputed positions' KV, the lower-tier
     chunks' KV of the positions not recomputed, each plan's run count; ``ctx.hidden``
     (# [n, hidden], the live batch's rows)."""
 
@@ -39,23 +40,32 @@ class Phase2:
         row_in = 0
         for b, idx in enumerate(planner.pool_rows(live)):
             p, e = prefix_lens[b], ext_lens[b]
-            plan = plans.get(b)
-            if plan is None:
+            runs = ctx.runs.get(b)
+            if runs is None:
                 subs.append(SubRequest(idx, p, e))
                 rows.append(torch.arange(row_in, row_in + e, device=device))
             else:
-                runs = ctx.runs[b]
-                plan.runs = len(runs)
+                # Over the request's own row, or the scratch row of a request planned whole
+                # over several prefill pieces (``pieces``).
+                row = ctx.rows.get(b, idx)
                 for run in runs:
-                    subs.append(SubRequest(idx, run.start, run.end - run.start))
+                    subs.append(SubRequest(row, run.start, run.end - run.start))
                     rows.append(
                         torch.arange(row_in + run.start - p, row_in + run.end - p, device=device)
                     )
-                if plan.lower:
-                    assert plan.selected is not None
-                    feeds.append(fw.feed(plan, plan.selected))
+                plan = plans.get(b)
+                if plan is not None:
+                    plan.runs = len(runs)
+                    if plan.lower:
+                        assert plan.selected is not None
+                        feeds.append(fw.feed(plan, plan.selected))
             row_in += e
-        fw.metrics.phase2_runs.inc(sum(plan.runs for plan in plans.values()))
+        fw.metrics.phase2_runs.inc(sum(len(r) for r in ctx.runs.values()))
+        if not subs:
+            # Only prefill pieces before their last, none with a position to recompute:
+            # SGLang reads no row of them (it samples nothing for such a piece).
+            ctx.hidden = fw.empty_hidden(input_ids.shape[0])
+            return
         take = torch.cat(rows)
         phase = fw.phases.prepare(live, subs, input_ids[take])
         for feed in feeds:

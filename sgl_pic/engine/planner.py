@@ -35,6 +35,9 @@ class RequestPlan:
     prefix: int  # device prefix length P
     pending: Pending
     config: PicConfig
+    # Where this batch's extend of it ends (None: its whole prompt); less than the prompt
+    # for the first of several prefill pieces, planned whole (``pieces``).
+    piece_end: int | None = None
     forced: torch.Tensor | None = None  # [f] positions recomputed whatever the policy says
     selected: torch.Tensor | None = None  # [k] positions phase 2 recomputes
     stats: RequestStats | None = None
@@ -62,6 +65,11 @@ class RequestPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.pending.token_ids)
+
+    @property
+    def first_piece(self) -> bool:
+        """Whether this batch runs only its first prefill piece (``pieces``)."""
+        return self.piece_end is not None and self.piece_end < self.num_tokens
 
 
 class ChunkLookup(NamedTuple):

@@ -51,7 +51,11 @@ class Select:
                     selection_seconds=plan.stats.selection_seconds + ctx.probe_seconds
                 )
             runs[b] = runs_of(sel, self.merge_gap)
-        plain = len(planner.pool_rows(ctx.live)) - len(plans)
+        # Plain requests run as one sub-request each; later prefill pieces of requests
+        # planned earlier (their runs already in ``ctx.runs``) as their runs.
+        later = {b: r for b, r in ctx.runs.items() if b not in plans}
+        plain = len(planner.pool_rows(ctx.live)) - len(plans) - len(later)
+        plain += sum(len(r) for r in later.values())
         fit_runs(
             runs,
             plans,
@@ -60,7 +64,7 @@ class Select:
             self.merge_gap,
             self.forwards.metrics,
         )
-        ctx.runs = runs
+        ctx.runs.update(runs)
 
 
 def fit_runs(

@@ -68,6 +68,7 @@ def test_every_hook_and_runtime_method_names_its_side() -> None:
         "on_bypass",
         "on_extend",
         "prepare_batch",
+        "request_done",
         "runs_phase",
         "torch_native_extend",
     ]

@@ -208,37 +208,6 @@ def test_a_deferred_miss_is_fresh_text_computed_whole() -> None:
     assert plan.stats is not None and plan.stats.reused_tokens == 8 - 1
 
 
-def test_a_retracted_request_resumes_as_sglang_would_and_is_not_a_fallback() -> None:
-    # SGLang's retract_decode frees a running request and queues it again; its next extend
-    # covers the prompt and the output so far (more tokens than the marks were verified
-    # for). It runs as SGLang would, counted as resumed, not as a fallback.
-    from types import SimpleNamespace
-
-    from sgl_pic.engine.batch import chunk_specs
-
-    counts = {"resumed": 0, "fallbacks": 0}
-
-    def counter(name: str) -> SimpleNamespace:
-        return SimpleNamespace(inc=lambda: counts.__setitem__(name, counts[name] + 1))
-
-    metrics: Any = SimpleNamespace(resumed=counter("resumed"), fallbacks=counter("fallbacks"))
-    pending = _plan(spans=[[0, 4], [4, 8]], n=10).pending
-    handoff = {"r": pending}
-    live = SimpleNamespace(
-        rids=["r"],
-        req_pool_indices=torch.tensor([1]),
-        extend_prefix_lens_cpu=[9],  # the prompt, held in the tree, but its last token
-        extend_seq_lens_cpu=[1 + 5],  # that token and 5 output tokens
-        return_logprob=False,
-    )
-    assert chunk_specs(live, handoff, PicConfig(), metrics) == {}
-    assert counts == {"resumed": 1, "fallbacks": 0}
-    # A chunked-prefill piece before the last is still a fallback.
-    live.extend_prefix_lens_cpu, live.extend_seq_lens_cpu = [0], [6]
-    assert chunk_specs(live, handoff, PicConfig(), metrics) == {}
-    assert counts == {"resumed": 1, "fallbacks": 1}
-
-
 def test_pool_rows_come_from_sglangs_host_copy_without_reading_the_device() -> None:
     from types import SimpleNamespace
 
@@ -253,29 +222,6 @@ def test_pool_rows_come_from_sglangs_host_copy_without_reading_the_device() -> N
     # A batch without the host copy (SGLang leaves it None outside plain extend batches).
     bare = SimpleNamespace(req_pool_indices=torch.tensor([2, 5]), req_pool_indices_cpu=None)
     assert planner.pool_rows(bare) == [2, 5]
-
-
-def test_the_spec_of_a_whole_chunked_prompt_is_named() -> None:
-    from types import SimpleNamespace
-
-    from sgl_pic.engine.batch import ChunkSpec, chunk_specs
-
-    pending = _plan(spans=[[0, 4], [4, 8]], n=10, overrides={"epic_k": 2}).pending
-    live = SimpleNamespace(
-        rids=["plain", "r"],
-        req_pool_indices_cpu=torch.tensor([3, 1]),
-        extend_prefix_lens_cpu=[0, 2],
-        extend_seq_lens_cpu=[5, 8],
-        return_logprob=False,
-    )
-    specs = chunk_specs(live, {"r": pending}, PicConfig(), SimpleNamespace())
-    assert list(specs) == [1]
-    spec = specs[1]
-    assert isinstance(spec, ChunkSpec)
-    assert (spec.row_offset, spec.pool_idx, spec.prefix, spec.pending) == (5, 1, 2, pending)
-    assert spec.config == pending.request.config(PicConfig())
-    plan = spec.plan()
-    assert (plan.row_offset, plan.pool_idx, plan.prefix) == (5, 1, 2) and plan.config is spec.config
 
 
 def test_select_reads_only_the_signals_its_policy_needs() -> None:

@@ -1,53 +1,121 @@
-"""Prompts longer than SGLang's --chunked-prefill-size: the pieces before the last run as
-SGLang's exact prefill; the last piece reuses the chunks that lie wholly inside it, with
-everything before it as device prefix (hit-aware refinement)."""
+"""Prompts longer than SGLang's --chunked-prefill-size: a chunked request is planned once,
+at its first prefill piece, over its whole prompt, and each piece runs its share
+(``sgl_pic.engine.pieces``). Where SGLang cuts must not matter: the same request sequence
+through servers that cut at different piece sizes gives the unsplit server's tokens, first
+-token distribution and recomputed set, request by request."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import pytest
 
-from tests.support.prompts import body, chunked
+from tests.support.prompts import body, chunked, ids
 from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
 
-PIECE = 64
 NAMES = ["A", "B", "C", "D", "E"]
+# Piece sizes the split servers cut at: a small one (three or more pieces per prompt) and
+# one drawn at random (seeded, so a failure reproduces), so that cuts fall inside chunks,
+# on their edges and in the question in one run or another.
+PIECES = [48, random.Random(45).randrange(17, 97)]
+TOP = 10
+STEPS = [
+    # (order, question, header, per-request config): a cold request first (every chunk a
+    # miss, encoded in whichever piece it lies), then reordered warm ones per policy.
+    (NAMES, "Name a city.", "Pelican log.\n", {}),
+    (NAMES[2:] + NAMES[:2], "Which city is on the equator?", "Owl.\n", {}),
+    (NAMES[::-1], "Where do rivers meet?", "Crane notes.\n", {"policy": "cacheblend"}),
+    (NAMES[1:] + NAMES[:1], "Which port has funiculars?", "Heron.\n", {"policy": "epic"}),
+    (NAMES[3:] + NAMES[:3], "Where is the midnight sun?", "Ibis.\n", {"policy": "full_reuse"}),
+    (NAMES[::2] + NAMES[1::2], "Which capital had temples?", "Kite.\n", {"policy": "cachetune"}),
+]
+
+
+class Outcome(NamedTuple):
+    extend: int  # prompt tokens past the device prefix
+    tokens: list[int]
+    top: dict[int, float]  # the first output token's top logprobs
+    recomputed: float
+    reused: float
+    split: float
+    fallbacks: float
+    failures: float
+
+
+def _send(server: Server, req: dict[str, Any]) -> Outcome:
+    req = {**req, "return_logprob": True, "top_logprobs_num": TOP}
+    req["sampling_params"]["ignore_eos"] = True  # eight tokens compared, not an early stop
+    out, d = server.send(req)
+    meta = out["meta_info"]
+    top = {int(t): lp for lp, t, _ in meta["output_top_logprobs"][0]}
+    return Outcome(
+        len(req["input_ids"]) - meta["cached_tokens"],
+        out["output_ids"],
+        top,
+        d["sgl_pic_recomputed_tokens_total"],
+        d["sgl_pic_reused_tokens_total"],
+        d["sgl_pic_split_requests_total"],
+        d["sgl_pic_fallbacks_total"],
+        d["sgl_pic_failures_total"],
+    )
+
+
+def _sequence(server: Server) -> list[Outcome]:
+    """The same requests, in the same order, on a fresh server: each step, then a later
+    turn of the first one (its prompt is now device prefix, so the first piece starts past
+    position 0)."""
+    outcomes = []
+    first: tuple[list[int], list[list[int]]] | None = None
+    for names, question, header, config in STEPS:
+        toks, spans = chunked(names, question, header=header)
+        first = first or (toks, spans)
+        outcomes.append(_send(server, body(toks, spans, n=8, **config)))
+    assert first is not None
+    toks, spans = first
+    turn = toks + outcomes[0].tokens + ids("\nAnd another one?\n")
+    more, _ = chunked(["C", "B"], "Name a river.")
+    grown = turn + more
+    shift = len(turn)
+    spans = spans + [[a + shift, b + shift] for a, b in chunked(["C", "B"], "x")[1]]
+    outcomes.append(_send(server, body(grown, spans, n=8)))
+    return outcomes
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with launch("--chunked-prefill-size", str(PIECE)) as s:
-        yield s
+def unsplit() -> list[Outcome]:
+    with launch() as server:
+        return _sequence(server)
 
 
-def test_long_prompt_reuses_chunks_of_its_last_piece(server: Server) -> None:
-    # Cache the chunks where they land past the first piece in either order.
-    for names in (NAMES, NAMES[::-1]):
-        toks, spans = chunked(names, "Name a city.", header="Pelican log.\n")
-        assert len(toks) > PIECE
-        assert server.generate(body(toks, spans, n=1)).status_code == 200
+@pytest.fixture(scope="module", params=PIECES, ids=lambda p: f"piece{p}")
+def split(request: pytest.FixtureRequest) -> Iterator[tuple[int, list[Outcome]]]:
+    with launch("--chunked-prefill-size", str(request.param)) as server:
+        yield request.param, _sequence(server)
 
-    toks, spans = chunked(NAMES[1:] + NAMES[:1], "Which city is on the equator?", header="Owl.\n")
-    plain, _ = server.send(body(toks, None))
-    exact, d = server.send(body(toks, spans, policy="full_recompute"))
-    # Everything recomputed on top of an exact prefix: SGLang's own output.
-    assert exact["output_ids"] == plain["output_ids"]
-    assert d["sgl_pic_fallbacks_total"] >= 1  # the pieces before the last
-    hits = (
-        d['sgl_pic_chunk_hits_total{kind="contiguous"}']
-        + d['sgl_pic_chunk_hits_total{kind="disjoint"}']
-    )
-    last_start = (len(toks) - 1) // PIECE * PIECE
-    inside_last = sum(1 for s, _ in spans if s >= last_start)
-    assert hits >= inside_last >= 1
-    assert d["sgl_pic_failures_total"] == 0
 
-    # The same order again (the chunk in its last piece is cached now, whether the request
-    # above hit or encoded it), another header and question: what is found is reused.
-    toks, spans = chunked(NAMES[1:] + NAMES[:1], "Where do rivers meet?", header="Crane.\n")
-    _, d = server.send(body(toks, spans, policy="full_reuse"))
-    assert d["sgl_pic_failures_total"] == 0
-    assert d["sgl_pic_reused_tokens_total"] > 0
+def test_the_unsplit_server_takes_each_prompt_in_one_piece(unsplit: list[Outcome]) -> None:
+    assert all(o.split == 0 and o.fallbacks == 0 and o.failures == 0 for o in unsplit)
+    assert all(o.recomputed > 0 for o in unsplit)
+    assert sum(o.reused for o in unsplit[1:]) > 0
+
+
+def test_where_sglang_cuts_changes_nothing(
+    unsplit: list[Outcome], split: tuple[int, list[Outcome]]
+) -> None:
+    piece, outcomes = split
+    assert max(o.extend for o in outcomes) > 2 * piece, "the prompts must span several pieces"
+    for i, (whole, cut) in enumerate(zip(unsplit, outcomes, strict=True)):
+        where = (piece, i)
+        assert cut.failures == 0 and cut.fallbacks == 0, where
+        assert cut.extend == whole.extend, where
+        assert cut.split == (cut.extend > piece), where  # planned once, at its first piece
+        # The same selection: as many positions recomputed and reused as unsplit.
+        assert (cut.recomputed, cut.reused) == (whole.recomputed, whole.reused), where
+        assert cut.tokens == whole.tokens, where
+        assert cut.top.keys() == whole.top.keys(), where
+        worst = max(abs(cut.top[t] - whole.top[t]) for t in whole.top)
+        assert worst < 1e-3, (where, worst)
