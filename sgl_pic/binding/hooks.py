@@ -24,6 +24,8 @@ PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_e
 ADMIT_TARGET = "sglang.srt.managers.utils.validate_input_length"
 # Asked by ``ModelRunner._forward_raw`` of every extend batch before it replays a prefill
 # CUDA graph (SGLang 0.5.23 captures breakable ones by default on CUDA).
+# The scheduler's factory of the ``PrefillAdder`` it forms each prefill batch with.
+PREFILL_ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
 PREFILL_GRAPH_TARGET = (
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
     "PrefillCudaGraphRunner.can_run_graph"
@@ -81,3 +83,16 @@ def prefill_graph_hook(
     if runtime is not None and runtime.keeps_off_prefill_graph(forward_batch):
         return False
     return original(graph_runner, forward_batch, *a, **kw)
+
+
+def prefill_adder_class_hook(original: Any, scheduler: Any, *a: Any, **kw: Any) -> Any:
+    """Scheduler side. AROUND ``Scheduler.get_prefill_adder_class``: with reuse on in this
+    process, the adder that charges chunked requests their planned cost
+    (``cost_adder.PlannedCostAdder``); SGLang's class otherwise."""
+    base = original(scheduler, *a, **kw)
+    runtime = current()
+    if runtime is None or runtime.executor is None:
+        return base
+    from sgl_pic.binding.cost_adder import adder_class
+
+    return adder_class(base)
