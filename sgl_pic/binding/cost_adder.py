@@ -7,7 +7,7 @@ charges every admitted extend token against two compute budgets, ``rem_chunk_tok
 request longer than ``rem_chunk_tokens`` into pieces. It has no hook or policy for what a
 request costs: the charge is ``_update_prefill_budget(extend_len)`` inside ``add_one_req``.
 What it does give is the class: ``Scheduler.get_prefill_adder_class()`` is the scheduler's
-factory of its adder, and a HookRegistry AROUND hook on it (``hooks.prefill_adder_class_hook``)
+factory of its adder, and a HookRegistry AROUND hook on it (``hooks.PrefillAdderFactory``)
 hands SGLang ``PlannedCostAdder`` instead, a subclass that changes two steps of
 ``add_one_req`` for a request the chunk path will take whole (``PlannedCharges.cost``):
 
@@ -33,6 +33,7 @@ Scheduler side: the adder lives for one pass of ``Scheduler._get_new_batch_prefi
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -47,13 +48,12 @@ logger = logging.getLogger(__name__)
 
 
 class PlannedCharges:
-    """The planned cost of requests in one scheduling pass.
+    """The planned cost of queued requests, for every scheduling pass of one runtime.
 
     marks:         the runtime's admitted marks (``gate.AdmittedMarks``), by request id.
     server_config: the server's ``PicConfig`` (each request's overrides apply on it).
-    estimator:     ``PlannedCost`` over the chunk nodes and lower tiers.
-    Costs are kept for the pass by (request id, device prefix): selection and commit ask
-    for the same one, and a pass changes no chunk tier."""
+    estimator:     ``PlannedCost`` over the chunk nodes and lower tiers (it keeps what a
+                   waiting request's next estimate can reuse)."""
 
     def __init__(
         self, marks: AdmittedMarks, server_config: PicConfig, estimator: PlannedCost
@@ -61,19 +61,12 @@ class PlannedCharges:
         self.marks = marks
         self.server_config = server_config
         self.estimator = estimator
-        self._costs: dict[tuple[str, int], int | None] = {}
 
     def cost(self, req: Any, prefix_len: int) -> int | None:
         """What SGLang's ``Req`` ``req`` costs when extended whole from ``prefix_len``, in
         rows of a forward, or None where the chunk path will not take it whole (no verified
         marks, other tokens than admitted, a resume after a retraction, input-token
         logprobs, input embeddings, or no estimate: SGLang's charge stands). Never raises."""
-        key = (req.rid, prefix_len)
-        if key not in self._costs:
-            self._costs[key] = self._cost(req, prefix_len)
-        return self._costs[key]
-
-    def _cost(self, req: Any, prefix_len: int) -> int | None:
         pending = self.marks.get(req.rid)
         if pending is None or getattr(req, "input_embeds", None) is not None:
             return None
@@ -104,8 +97,8 @@ class PlannedCharges:
 
 
 def planned_charges(runtime: Any) -> PlannedCharges | None:
-    """A pass's ``PlannedCharges`` over ``runtime``'s (a ``PicRuntime``) marks, chunk nodes
-    and tiers; None where reuse is off in this process."""
+    """``PlannedCharges`` over ``runtime``'s (a ``PicRuntime``) marks, chunk nodes and
+    tiers; None where reuse is off in this process."""
     executor = getattr(runtime, "executor", None)
     if executor is None:
         return None
@@ -119,18 +112,24 @@ def planned_charges(runtime: Any) -> PlannedCharges | None:
 
 class PlannedCostAdder(PrefillAdder):
     """SGLang's ``PrefillAdder`` charging chunked requests their planned cost (see the
-    module docstring). ``planned``: the pass's charges; None takes this process's runtime
-    (``runtime.current``), and with no runtime or reuse off the adder is SGLang's."""
+    module docstring); SGLang's own arguments, and ``planned``, the runtime's charges
+    (None: the adder is SGLang's). Costs are kept for the pass by (request id, device
+    prefix): selection and commit ask for the same one, and a pass changes no chunk tier."""
 
     def __init__(self, *args: Any, planned: PlannedCharges | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if planned is None:
-            from sgl_pic.binding.runtime import current
-
-            planned = planned_charges(current())
         self.planned = planned
+        self._costs: dict[tuple[str, int], int | None] = {}
         # SGLang's bound on one prefill batch's rows (rem_input_tokens before any charge).
         self.row_limit = max(self.rem_input_tokens, self.rem_chunk_tokens or 0)
+
+    def _cost(self, req: Any, prefix_len: int) -> int | None:
+        if self.planned is None or self.dllm_config is not None:
+            return None
+        key = (req.rid, prefix_len)
+        if key not in self._costs:
+            self._costs[key] = self.planned.cost(req, prefix_len)
+        return self._costs[key]
 
     # ----------------------------------------------------------------- budgets
     def _compute_left(self) -> int:
@@ -153,9 +152,7 @@ class PlannedCostAdder(PrefillAdder):
     def _discount(self, req: Any, prefix_len: int) -> int:
         """How much less than SGLang's charge the whole extend of ``req`` from
         ``prefix_len`` costs, within the rows left; 0 for a request charged as SGLang does."""
-        if self.planned is None or self.dllm_config is not None:
-            return 0
-        cost = self.planned.cost(req, prefix_len)
+        cost = self._cost(req, prefix_len)
         if cost is None:
             return 0
         extend = len(req.full_untruncated_fill_ids) - prefix_len
@@ -190,7 +187,7 @@ class PlannedCostAdder(PrefillAdder):
             self._give_back(-discount)
         if discount <= 0:
             return
-        cost = self.planned.cost(req, admission.prefix_len) if self.planned else None
+        cost = self._cost(req, admission.prefix_len)
         if cost is None:
             return
         room = self.row_limit - self._rows() - self._compute_left()
@@ -199,15 +196,16 @@ class PlannedCostAdder(PrefillAdder):
             self._give_back(back)
 
 
-def adder_class(base: type) -> type:
-    """The adder class the scheduler builds: ``PlannedCostAdder`` in place of SGLang's own
-    ``PrefillAdder``; any other class (another plugin's) is left as it is, logged."""
+def adder_factory(base: Any, planned: PlannedCharges) -> Any:
+    """What the scheduler's ``get_prefill_adder_class()`` hands back: a constructor of
+    ``PlannedCostAdder`` over ``planned`` in place of SGLang's own ``PrefillAdder`` (SGLang
+    only calls it, with the adder's arguments); any other class (another plugin's) is
+    left as it is, logged."""
     if base is PrefillAdder:
-        return PlannedCostAdder
-    if base is not PlannedCostAdder:
-        logger.warning(
-            "sgl_pic: the scheduler builds %s, not SGLang's PrefillAdder; chunked requests "
-            "are charged their whole extend",
-            getattr(base, "__qualname__", base),
-        )
+        return functools.partial(PlannedCostAdder, planned=planned)
+    logger.warning(
+        "sgl_pic: the scheduler builds %s, not SGLang's PrefillAdder; chunked requests "
+        "are charged their whole extend",
+        getattr(base, "__qualname__", base),
+    )
     return base

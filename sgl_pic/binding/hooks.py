@@ -85,14 +85,26 @@ def prefill_graph_hook(
     return original(graph_runner, forward_batch, *a, **kw)
 
 
-def prefill_adder_class_hook(original: Any, scheduler: Any, *a: Any, **kw: Any) -> Any:
-    """Scheduler side. AROUND ``Scheduler.get_prefill_adder_class``: with reuse on in this
-    process, the adder that charges chunked requests their planned cost
-    (``cost_adder.PlannedCostAdder``); SGLang's class otherwise."""
-    base = original(scheduler, *a, **kw)
-    runtime = current()
-    if runtime is None or runtime.executor is None:
-        return base
-    from sgl_pic.binding.cost_adder import adder_class
+class PrefillAdderFactory:
+    """Scheduler side. ``hook`` is the AROUND hook on ``Scheduler.get_prefill_adder_class``
+    (the registry holds the instance): with reuse on in this process, the scheduler builds
+    the adder that charges chunked requests their planned cost
+    (``cost_adder.PlannedCostAdder``), else SGLang's. It keeps the runtime's
+    ``PlannedCharges`` from pass to pass, so what an estimate computes of a waiting request
+    is not computed again at every pass."""
 
-    return adder_class(base)
+    def __init__(self) -> None:
+        self._runtime: Any = None
+        self._charges: Any = None
+
+    def hook(self, original: Any, scheduler: Any, *a: Any, **kw: Any) -> Any:
+        """Scheduler side, once per prefill batch SGLang forms: the adder to form it with."""
+        base = original(scheduler, *a, **kw)
+        runtime = current()
+        if runtime is None or runtime.executor is None:
+            return base
+        from sgl_pic.binding.cost_adder import adder_factory, planned_charges
+
+        if runtime is not self._runtime:
+            self._runtime, self._charges = runtime, planned_charges(runtime)
+        return adder_factory(base, self._charges)

@@ -31,8 +31,9 @@ Scheduler side: called while SGLang forms a prefill batch, on the scheduler's th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -57,31 +58,66 @@ class Presence(Protocol):
     ) -> str | None: ...
 
 
+class _Memo:
+    """A bounded least-recently-used map: what an estimate computes of a request that
+    stays the same while it waits (its chunks' key digests, its selection's size)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        value = self._items[key] = make()
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class TierPresence:
     """``Presence`` over the chunk nodes and the host and disk tiers (``lower``: None when
     both are off), in the request's readable namespaces, own first. Reads ``contains``
-    only: no access counts, no locks, no network."""
+    only: no access counts, no locks, no network. The segment key digests of the last
+    ``memo_chunks`` chunks asked about are kept (a waiting request is asked about at every
+    scheduling pass; hashing its chunks again each time would cost more than the look)."""
 
-    def __init__(self, nodes: ChunkNodeTable, lower: LowerTiers | None = None) -> None:
+    def __init__(
+        self, nodes: ChunkNodeTable, lower: LowerTiers | None = None, memo_chunks: int = 1024
+    ) -> None:
         self.nodes = nodes
         self.lower = lower
+        self._digests = _Memo(memo_chunks)
+
+    def digests(self, table: str, chunk_ids: tuple[int, ...], namespace: str) -> tuple[str, ...]:
+        """The segment key digests of a chunk in ``table`` ("nodes" or "lower": their
+        fingerprints differ)."""
+        keys = self.nodes.keys if table == "nodes" else self.lower.keys  # type: ignore[union-attr]
+        return self._digests.get(
+            (table, namespace, chunk_ids),
+            lambda: tuple(k.digest for k in keys(chunk_ids, namespace)),
+        )
 
     def tier(
         self, chunk_ids: tuple[int, ...], readable: Sequence[str], device_only: bool = False
     ) -> str | None:
         nodes = self.nodes
         for ns in readable:
-            if all(nodes.contains(k.digest) for k in nodes.keys(chunk_ids, ns)):
+            if all(nodes.contains(d) for d in self.digests("nodes", chunk_ids, ns)):
                 return "device"
         lower = self.lower
         if device_only or lower is None:
             return None
         host, disk = lower.store.host, lower.store.disk
         for ns in readable:
-            keys = lower.keys(chunk_ids, ns)
-            if all(host.contains(k.digest) for k in keys):
+            digests = self.digests("lower", chunk_ids, ns)
+            if all(host.contains(d) for d in digests):
                 return "host"
-            if all(host.contains(k.digest) or disk.contains(k.digest) for k in keys):
+            if all(host.contains(d) or disk.contains(d) for d in digests):
                 return "disk"
         return None
 
@@ -144,7 +180,9 @@ class PlannedCost:
                   (None: calibration off).
     assembly_weight: cost of copying or loading one reused row, in computed rows (0: not
                   counted; it is small next to a row's forward and not measured here).
-    Holds no state between calls."""
+    memo_plans:   selections kept, by request, prefix, config and where its chunks are
+                  held: the count is the same while those are (the policy need not run
+                  again at every pass the request waits)."""
 
     def __init__(
         self,
@@ -152,6 +190,7 @@ class PlannedCost:
         num_layers: int,
         ratios: dict[str, float] | None = None,
         assembly_weight: float = 0.0,
+        memo_plans: int = 1024,
     ) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -161,6 +200,7 @@ class PlannedCost:
         self.num_layers = num_layers
         self.ratios = ratios
         self.assembly_weight = assembly_weight
+        self._plans = _Memo(memo_plans)
 
     def estimate(self, pending: Pending, config: PicConfig, prefix: int) -> CostEstimate:
         """The planned rows of ``pending`` (its verified marks) run under ``config`` (its
@@ -172,25 +212,51 @@ class PlannedCost:
         if config.exact:
             # Every row is recomputed: the chunk path saves nothing over SGLang's charge.
             return CostEstimate(extend, 0, extend, 0.0, 0, extend)
+        spans = pending.request.layout.chunks
+        tiers = tuple(
+            self.presence.tier(
+                pending.token_ids[c.start : c.end], pending.readable, c.start < prefix
+            )
+            if c.end > prefix
+            else "prefix"
+            for c in spans
+        )
+        encoded = sum(
+            c.length for c, t in zip(spans, tiers, strict=True) if t is None and c.start >= prefix
+        )
+        # The marks by identity (kept alive in the entry, so the id is not reused): a
+        # request keeps the same ``Pending`` while it waits.
+        key = (id(pending), prefix, config, tiers)
+        _marks, computed, reused, signals = self._plans.get(
+            key, lambda: (pending, *self._selection(pending, config, prefix, tiers))
+        )
+        total = encoded + computed + signals + self.assembly_weight * reused
+        cost = min(extend, max(1, math.ceil(total - 1e-9)))
+        return CostEstimate(extend, encoded, computed, signals, reused, cost)
+
+    def _selection(
+        self, pending: Pending, config: PicConfig, prefix: int, tiers: tuple[str | None, ...]
+    ) -> tuple[int, int, float]:
+        """(rows phase 2 computes, reused rows, signal rows) of ``pending`` with its chunks
+        held in ``tiers`` (one per chunk; "prefix" for one inside the device prefix)."""
+        n = len(pending.token_ids)
+        extend = n - prefix
+        where = {
+            (c.start, c.end): t for c, t in zip(pending.request.layout.chunks, tiers, strict=True)
+        }
         plan = RequestPlan(0, 0, prefix, pending, config)
-        encoded = 0
 
         def lookup(start: int, end: int) -> ChunkLookup:
-            nonlocal encoded
-            tier = self.presence.tier(pending.token_ids[start:end], pending.readable)
-            if tier is None:
-                encoded += end - start
-            return ChunkLookup(tier, _last_first(end - start))
+            return ChunkLookup(where[(start, end)], _last_first(end - start))
 
         def lookup_tail(start: int, end: int, keep: int) -> ChunkLookup:
-            tier = self.presence.tier(pending.token_ids[start:end], pending.readable, True)
+            tier = where[(start, end)]
             return ChunkLookup(tier, _last_first(end - start) if tier else None)
 
         planner.classify(plan, lookup, lookup_tail)
         flat = _StandInSignals()
         selected = planner.select(plan, flat, self.ratios)
-        computed = int(selected.numel())
-        assert plan.stats is not None and plan.forced is not None
+        assert plan.forced is not None
         reused = sum(end - start for start, end in plan.hit_spans)
         signals = 0.0
         if flat.deviation_read:
@@ -202,6 +268,4 @@ class PlannedCost:
             rows = int((must >= prefix).sum())
             layers = min(plan.config.qa_layers, self.num_layers)
             signals += rows * layers / self.num_layers
-        total = encoded + computed + signals + self.assembly_weight * reused
-        cost = min(extend, max(1, math.ceil(total - 1e-9)))
-        return CostEstimate(extend, encoded, computed, signals, reused, cost)
+        return int(selected.numel()), reused, signals

@@ -43,7 +43,7 @@ from sgl_pic.binding import hooks
 from sgl_pic.binding.cost_adder import (
     PlannedCharges,
     PlannedCostAdder,
-    adder_class,
+    adder_factory,
     planned_charges,
 )
 from sgl_pic.binding.gate import AdmittedMarks, Pending
@@ -348,22 +348,59 @@ def test_sglang_builds_its_adder_through_the_hooked_factory() -> None:
     )
 
 
-def test_the_hook_hands_sglang_the_planned_adder_only_where_reuse_is_on() -> None:
+def test_the_hook_hands_sglang_the_planned_adder_only_where_reuse_is_on(env: Env) -> None:
     original = Scheduler.get_prefill_adder_class
+    factory = hooks.PrefillAdderFactory()
     previous = set_current(None)
     try:
-        assert hooks.prefill_adder_class_hook(original, SimpleNamespace()) is PrefillAdder
+        assert factory.hook(original, SimpleNamespace()) is PrefillAdder
         set_current(SimpleNamespace(executor=None))  # type: ignore[arg-type]
-        assert hooks.prefill_adder_class_hook(original, SimpleNamespace()) is PrefillAdder
-        set_current(SimpleNamespace(executor=object()))  # type: ignore[arg-type]
-        assert hooks.prefill_adder_class_hook(original, SimpleNamespace()) is PlannedCostAdder
+        assert factory.hook(original, SimpleNamespace()) is PrefillAdder
+        first = SimpleNamespace(executor=Executor(env), marks=env.marks)
+        set_current(first)  # type: ignore[arg-type]
+        made = factory.hook(original, SimpleNamespace())
+        # Called as the scheduler calls it: SGLang's arguments, positional and by name.
+        adder = made(1, env.cache, env.alloc, None, 0.5, MAX_PREFILL, CHUNK, 0, 0, max_prefill_bs=0)
+        assert type(adder) is PlannedCostAdder and adder.planned is not None
+        req = env.req(6)
+        assert add(adder, req) == AddReqResult.CONTINUE and req.extend_len == 620
+        # The same charges (and what their estimator keeps) from pass to pass ...
+        again = factory.hook(original, SimpleNamespace())(
+            1, env.cache, env.alloc, None, 0.5, 64, 64
+        )
+        assert again.planned is adder.planned
+        # ... until the process has another runtime.
+        set_current(SimpleNamespace(executor=Executor(env), marks=env.marks))  # type: ignore[arg-type]
+        other = factory.hook(original, SimpleNamespace())(
+            1, env.cache, env.alloc, None, 0.5, 64, 64
+        )
+        assert other.planned is not adder.planned
     finally:
         set_current(previous)
 
     class Other(PrefillAdder):
         pass
 
-    assert adder_class(Other) is Other  # another plugin's adder is left alone
+    assert adder_factory(Other, env.charges()) is Other  # another plugin's adder is left alone
+
+
+def test_without_charges_the_adder_is_sglangs(env: Env) -> None:
+    adder = PlannedCostAdder(1, env.cache, env.alloc, None, 0.5, MAX_PREFILL, CHUNK)
+    req = env.req(6)
+    add(adder, req)
+    assert adder.new_chunked_req is req and req.extend_len == CHUNK
+
+
+class Executor:
+    """The parts of ``ChunkExecutor`` ``planned_charges`` reads (checked against a real one
+    in ``test_planned_charges_read_a_real_executor``)."""
+
+    def __init__(self, env: Env) -> None:
+        self.nodes = env.nodes
+        self.lower = None
+        self.kv = SimpleNamespace(num_layers=LAYERS)
+        self.select = SimpleNamespace(ratios=None)
+        self.config = SERVER
 
 
 def test_planned_charges_read_a_real_executor(tmp_path: Path) -> None:
@@ -393,6 +430,11 @@ def test_planned_charges_read_a_real_executor(tmp_path: Path) -> None:
     est = charges.estimator
     assert isinstance(est.presence, TierPresence) and est.presence.nodes is nodes
     assert est.presence.lower is None and est.num_layers == 3 and est.ratios is ratios
+    # The stand-in the hook tests use reads what the real executor has.
+    stand_in = Executor(Env())
+    for name in vars(stand_in):
+        assert hasattr(executor, name), name
+    assert executor.kv.num_layers == 3 and executor.select.ratios is ratios
 
 
 class NoMetrics:

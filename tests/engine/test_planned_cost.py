@@ -241,3 +241,48 @@ def test_bad_arguments_are_refused() -> None:
         PlannedCost(presence, LAYERS, assembly_weight=2.0)
     with pytest.raises(ValueError, match="device prefix"):
         PlannedCost(presence, LAYERS).estimate(pending(ids()), PicConfig(), N)
+
+
+def test_a_waiting_request_is_not_hashed_or_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked at every scheduling pass while it waits, a request's chunk keys and selection
+    are computed once; where its chunks are held is looked up each time."""
+    toks = ids()
+    nodes = table([toks[0:20]])
+    est = PlannedCost(TierPresence(nodes), LAYERS)
+    marks = pending(toks)
+    config = PicConfig(policy="cachetune", cachetune_r=0.25)
+    calls = {"keys": 0, "select": 0}
+    keys, select = nodes.keys, planner.select
+
+    def counted_keys(*a: object, **k: object) -> object:
+        calls["keys"] += 1
+        return keys(*a, **k)  # type: ignore[arg-type]
+
+    def counted_select(*a: object, **k: object) -> object:
+        calls["select"] += 1
+        return select(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nodes, "keys", counted_keys)
+    monkeypatch.setattr(planner, "select", counted_select)
+    first = est.estimate(marks, config, 0)
+    assert calls == {"keys": 3, "select": 1}
+    assert est.estimate(marks, config, 0) == first
+    assert calls == {"keys": 3, "select": 1}
+    # A chunk stored meanwhile is found, and the plan made again for the new hits.
+    assert nodes.insert(toks[20:40], None) is not None
+    hashed = calls["keys"]  # the insert's own
+    warmer = est.estimate(marks, config, 0)
+    assert calls == {"keys": hashed, "select": 2}
+    assert warmer.encoded == first.encoded - 20 and warmer.cost < first.cost
+    # Another prefix or config is another plan.
+    est.estimate(marks, config, 5)
+    est.estimate(marks, PicConfig(policy="epic"), 0)
+    assert calls["select"] == 4
+
+
+def test_what_is_kept_is_bounded() -> None:
+    presence = TierPresence(table([]), memo_chunks=2)
+    est = PlannedCost(presence, LAYERS, memo_plans=1)
+    for seed in range(3):
+        est.estimate(pending(ids(seed)), PicConfig(policy="full_reuse"), 0)
+    assert len(presence._digests) == 2 and len(est._plans) == 1
