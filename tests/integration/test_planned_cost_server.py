@@ -1,6 +1,7 @@
 """A chunked prompt longer than --chunked-prefill-size whose planned cost fits one piece
-is prefilled whole, reusing every chunk it finds (``binding.cost_adder``): no piece runs
-without reuse."""
+is prefilled whole, reusing every chunk it finds (``binding.cost_adder``, through the hook
+``plugin.register`` registers: ``hooks.PrefillAdderFactory``): no piece runs without
+reuse."""
 
 from __future__ import annotations
 
