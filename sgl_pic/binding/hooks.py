@@ -24,6 +24,8 @@ PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_e
 ADMIT_TARGET = "sglang.srt.managers.utils.validate_input_length"
 # Asked by ``ModelRunner._forward_raw`` of every extend batch before it replays a prefill
 # CUDA graph (SGLang 0.5.23 captures breakable ones by default on CUDA).
+# The scheduler's factory of the ``PrefillAdder`` it forms each prefill batch with.
+PREFILL_ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
 PREFILL_GRAPH_TARGET = (
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
     "PrefillCudaGraphRunner.can_run_graph"
@@ -81,3 +83,28 @@ def prefill_graph_hook(
     if runtime is not None and runtime.keeps_off_prefill_graph(forward_batch):
         return False
     return original(graph_runner, forward_batch, *a, **kw)
+
+
+class PrefillAdderFactory:
+    """Scheduler side. ``hook`` is the AROUND hook on ``Scheduler.get_prefill_adder_class``
+    (the registry holds the instance): with reuse on in this process, the scheduler builds
+    the adder that charges chunked requests their planned cost
+    (``cost_adder.PlannedCostAdder``), else SGLang's. It keeps the runtime's
+    ``PlannedCharges`` from pass to pass, so what an estimate computes of a waiting request
+    is not computed again at every pass."""
+
+    def __init__(self) -> None:
+        self._runtime: Any = None
+        self._charges: Any = None
+
+    def hook(self, original: Any, scheduler: Any, *a: Any, **kw: Any) -> Any:
+        """Scheduler side, once per prefill batch SGLang forms: the adder to form it with."""
+        base = original(scheduler, *a, **kw)
+        runtime = current()
+        if runtime is None or runtime.executor is None:
+            return base
+        from sgl_pic.binding.cost_adder import adder_factory, planned_charges
+
+        if runtime is not self._runtime:
+            self._runtime, self._charges = runtime, planned_charges(runtime)
+        return adder_factory(base, self._charges)
