@@ -15,8 +15,9 @@ hands SGLang ``PlannedCostAdder`` instead, a subclass that changes two steps of
   compute budgets raised by (extend - planned cost), so the request is taken whole exactly
   when its planned cost fits the budget left; when it does not fit whole (the budget, or
   memory through the chunk limit SGLang's memory budget applies), the selection is made
-  again as SGLang makes it, and the piece is charged its length (a piece before the last
-  runs without reuse in this version of the chunk path).
+  again as SGLang makes it, and each piece is charged its length. That over-charges the
+  pieces after the first and under-charges the first, which runs the whole request's
+  lookups, phase 1 and signals (``engine.pieces``): a known limit of this estimate.
 - commit (``_commit_prefill_admission``): SGLang commits under the same raised budgets
   (its SWA memory budget sizes the window allocation by the chunk limit) and charges the
   extend; the difference to the planned cost is given back to both compute budgets.

@@ -46,6 +46,10 @@ def register() -> None:
     # The registry holds the timer (and through it its counters): no module state.
     HookRegistry.register(FORWARD_TARGET, ForwardTimer().timed_forward, HookType.AROUND)
     HookRegistry.register(hooks.PREFILL_GRAPH_TARGET, hooks.prefill_graph_hook, HookType.AROUND)
+    # The registry holds the factory (and through it the planned charges): no module state.
+    HookRegistry.register(
+        hooks.PREFILL_ADDER_TARGET, hooks.PrefillAdderFactory().hook, HookType.AROUND
+    )
 
 
 def build_tree_cache(ctx: Any) -> Any:

@@ -18,10 +18,12 @@ from tests.support.server import Server, launch
 pytestmark = pytest.mark.sglang
 
 NAMES = ["A", "B", "C", "D", "E"]
-# Piece sizes the split servers cut at: a small one (three or more pieces per prompt) and
-# one drawn at random (seeded, so a failure reproduces), so that cuts fall inside chunks,
-# on their edges and in the question in one run or another.
-PIECES = [48, random.Random(45).randrange(17, 97)]
+# Piece sizes the split servers cut at: a small one (several pieces per prompt) and one
+# drawn at random (seeded, so a failure reproduces), so that cuts fall inside chunks, on
+# their edges and in the question in one run or another. Both below what a warm request's
+# planned cost takes from the budget, so that SGLang cuts warm requests too
+# (``binding.cost_adder`` takes a request whole where its planned cost fits).
+PIECES = [24, random.Random(45).randrange(29, 45)]
 TOP = 10
 STEPS = [
     # (order, question, header, per-request config): a cold request first (every chunk a
@@ -112,10 +114,12 @@ def test_where_sglang_cuts_changes_nothing(
         where = (piece, i)
         assert cut.failures == 0 and cut.fallbacks == 0, where
         assert cut.extend == whole.extend, where
-        assert cut.split == (cut.extend > piece), where  # planned once, at its first piece
+        # Planned once, at its first piece, when SGLang cut it.
+        assert cut.split <= (cut.extend > piece), where
         # The same selection: as many positions recomputed and reused as unsplit.
         assert (cut.recomputed, cut.reused) == (whole.recomputed, whole.reused), where
         assert cut.tokens == whole.tokens, where
         assert cut.top.keys() == whole.top.keys(), where
         worst = max(abs(cut.top[t] - whole.top[t]) for t in whole.top)
         assert worst < 1e-3, (where, worst)
+    assert sum(o.split for o in outcomes) >= len(outcomes) - 1, outcomes
