@@ -23,7 +23,7 @@ NAMES = ["A", "B", "C", "D", "E"]
 # their edges and in the question in one run or another. Both below what a warm request's
 # planned cost takes from the budget, so that SGLang cuts warm requests too
 # (``binding.cost_adder`` takes a request whole where its planned cost fits).
-PIECES = [24, random.Random(45).randrange(29, 45)]
+PIECES = [24, random.Random(45).randrange(17, 24)]
 TOP = 10
 STEPS = [
     # (order, question, header, per-request config): a cold request first (every chunk a
@@ -122,4 +122,4 @@ def test_where_sglang_cuts_changes_nothing(
         assert cut.top.keys() == whole.top.keys(), where
         worst = max(abs(cut.top[t] - whole.top[t]) for t in whole.top)
         assert worst < 1e-3, (where, worst)
-    assert sum(o.split for o in outcomes) >= len(outcomes) - 1, outcomes
+    assert sum(o.split for o in outcomes) >= len(outcomes) - 2, outcomes

@@ -33,11 +33,12 @@ def hits(d: dict[str, float]) -> float:
 
 def test_a_cheap_long_request_is_not_split(server: Server) -> None:
     # Cold, every chunk is encoded: the cost does not fit a piece, and the prompt is cut
-    # as SGLang cuts it (its pieces before the last run without reuse, counted).
+    # as SGLang cuts it (planned whole at its first piece, ``engine.pieces``).
     toks, spans = chunked(NAMES, "Name a city.", header="Pelican log.\n")
     assert len(toks) > 2 * PIECE
     _, cold = server.send(body(toks, spans, n=1, policy="full_reuse"))
-    assert cold["sgl_pic_fallbacks_total"] >= 1
+    assert cold["sgl_pic_split_requests_total"] == 1
+    assert cold["sgl_pic_fallbacks_total"] == 0
     # Each chunk alone, in a prompt shorter than a piece: every chunk is cached.
     for name in NAMES:
         t, s = chunked([name], "Name a city.")
@@ -48,6 +49,7 @@ def test_a_cheap_long_request_is_not_split(server: Server) -> None:
     toks, spans = chunked(NAMES[1:] + NAMES[:1], "Which city is on the equator?", header="Owl.\n")
     assert len(toks) > 2 * PIECE
     _, d = server.send(body(toks, spans, policy="full_reuse"))
+    assert d["sgl_pic_split_requests_total"] == 0  # one piece: taken whole
     assert d["sgl_pic_fallbacks_total"] == 0
     assert d["sgl_pic_failures_total"] == 0
     assert hits(d) == len(NAMES)
