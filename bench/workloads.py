@@ -366,6 +366,10 @@ def pic_figures(d: dict[str, float]) -> dict[str, Any]:
             t: metric(d, "sgl_pic_evictions_total", tier=t) for t in ("device", "host", "disk")
         },
         "failures": metric(d, "sgl_pic_failures_total") + metric(d, "sgl_pic_fallbacks_total"),
+        "fallbacks": metric(d, "sgl_pic_fallbacks_total"),
+        # Requests SGLang cut into prefill pieces (planned whole at the first), and pieces.
+        "split_requests": metric(d, "sgl_pic_split_requests_total"),
+        "prefill_pieces": metric(d, "sgl_pic_prefill_pieces_total"),
     }
 
 
