@@ -48,6 +48,7 @@ from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.phase1 import NodeWriter, NoScratchRows, Phase1
 from sgl_pic.engine.phase2 import Phase2
 from sgl_pic.engine.promoter import Promote, Promoter
+from sgl_pic.engine.rank_agreement import RankAgreement
 from sgl_pic.engine.select import Select
 from sgl_pic.engine.signals import Signals
 from sgl_pic.store.admission import BatchAdmission, StoreAdmission
@@ -74,6 +75,8 @@ class ChunkExecutor:
                to the chunk nodes (``Deleter.sync``); called before each batch's lookups,
                so a chunk deleted anywhere is not found here afterwards. None: nothing to
                sync.
+    ranks:     decides what every tensor-parallel rank must do alike (lookups, admission,
+               a record that failed while loading); None on one rank.
     Worker side: ``forward`` runs on the scheduler's forward thread."""
 
     def __init__(
@@ -91,6 +94,7 @@ class ChunkExecutor:
         admission: StoreAdmission | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         sync_deletions: Callable[[], object] | None = None,
+        ranks: RankAgreement | None = None,
     ) -> None:
         self.config = settings_config
         self.sync_deletions = sync_deletions
@@ -100,6 +104,7 @@ class ChunkExecutor:
         self.metrics = metrics
         self.phases = phases
         self.admission = admission
+        self.ranks = ranks if ranks is not None else RankAgreement()
         forwards = PhaseForwards(kv, phases, metrics, lower, feed_mode, feed_timeout_s, reduce)
         self.writer = NodeWriter(nodes, kv, metrics.node_insert_failures.inc)
         self.promoter = Promoter(
@@ -109,7 +114,7 @@ class ChunkExecutor:
             metrics,
         )
         signals = Signals(forwards)
-        self.lookup = Lookup(nodes, forwards, self.promoter)
+        self.lookup = Lookup(nodes, forwards, self.promoter, self.ranks)
         self.assemble = Assemble(forwards)
         self.phase1 = Phase1(settings_config, forwards, self.writer)
         self.signals = signals
@@ -146,12 +151,14 @@ class ChunkExecutor:
         return hidden
 
     def _attempts(self, specs: dict[int, ChunkSpec], ctx: BatchContext) -> torch.Tensor:
-        """Runs the batch's steps, a second time if a stored chunk goes bad mid-load;
-        # [n, hidden]."""
+        """Runs the batch's steps, a second time if a stored chunk goes bad mid-load on any
+        tensor-parallel rank (all ranks alike); # [n, hidden]."""
+        loader = self.lower.loader if self.lower is not None else None
         for attempt in range(2):
             plans: Plans = {b: spec.plan() for b, spec in specs.items()}
             ctx.copies = []
             t0 = time.perf_counter()
+            missed = loader.stats().misses if loader is not None else 0
             try:
                 with single_thread():
                     self.lookup.run(plans, ctx)
@@ -162,14 +169,19 @@ class ChunkExecutor:
                 self.select.run(plans, ctx)
                 self.phase2.run(plans, ctx)
                 t2 = time.perf_counter()
+                # Feeds list a record that failed mid-load and go on (``layer_feed``): the
+                # ranks agree on it here, after every forward of the attempt.
+                if self.ranks.any_of(loader is not None and loader.stats().misses > missed):
+                    raise MissingChunkError("a lower-tier record failed while loading")
                 with single_thread():
                     self.promote.run(plans, ctx)
                 break
             except MissingChunkError:
-                # A host/disk record failed its checks mid-load; the store has counted and
-                # dropped it. Every slot the attempt wrote is written again by the next
-                # one, where that chunk misses and, admitted as the stored chunk it was in
-                # this attempt, is recomputed and stored afresh.
+                # A host/disk record failed its checks mid-load on some rank; its store has
+                # counted and dropped it. Every slot the attempt wrote is written again by
+                # the next one, where that chunk misses on every rank (``Lookup``) and,
+                # admitted as the stored chunk it was in this attempt, is recomputed and
+                # stored afresh.
                 if attempt:
                     raise
                 logger.warning("sgl_pic: a stored chunk went bad while loading; retrying")
