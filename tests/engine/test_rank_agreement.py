@@ -10,8 +10,9 @@ timeout; the parent gives up on the pair after ``WAIT_S``, so a hang fails the t
 
 - a chunk one rank deleted (an order of the shared log that rank read first) is a miss on
   both ranks, though the other still holds it on the device;
-- a disk record that fails its checksum on one rank while phase 2 loads it: both ranks
-  finish the forward, then both retry, and the chunk is a miss on both;
+- a disk record that fails its checksum on one rank while phase 2 loads it (the same
+  tiers on both otherwise): both ranks finish the forward, then both retry, and the chunk
+  is a miss on both;
 - a chunk on the device on one rank and in host memory on the other: both plan it as a
   host hit (CacheTune's r of the slower tier), and recompute the same positions;
 - the control: the same tiers with each rank deciding alone (as before the agreement)
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sgl_pic.binding import plugin
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.deleter import Deleter
 from sgl_pic.engine.executor import ChunkExecutor
@@ -81,11 +83,6 @@ class Counted(NoMetrics):
 
     def record(self, stats: Any) -> None:
         self.recorded.append(stats)
-
-
-def tp_max(t: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
 
 
 def tp_sum(t: torch.Tensor) -> torch.Tensor:
@@ -136,7 +133,8 @@ class Rank(Server):
             ratios=RATIOS,
             reduce=tp_sum,
             sync_deletions=Deleter(nodes, store=self.log).sync,
-            ranks=RankAgreement(tp_max if agree else None),
+            # The server's own collective (``binding.plugin``), over a real SGLang TP group.
+            ranks=RankAgreement(plugin._tp_max if agree else None),
         )
         self.forwards = 0
 
@@ -180,11 +178,12 @@ def one_rank_deleted(r: Rank, rank: int) -> dict[str, Any]:
 
 def one_rank_record_fails(r: Rank, rank: int) -> dict[str, Any]:
     r.stored([1, 2, 3])
+    # Device nodes and host copies gone: both ranks read every chunk from disk, where
+    # rank 1's record of chunk 2 has a payload that fails its checksum (its header still
+    # checks out, so the lookup finds it).
+    r.drop_nodes([1, 2, 3])
+    r.store.host.evict(1 << 40)
     if rank == 1:
-        # Device nodes and host copies gone: rank 1 reads every chunk from disk, chunk 2's
-        # record with a payload that fails its checksum (the header still checks out).
-        r.drop_nodes([1, 2, 3])
-        r.store.host.evict(1 << 40)
         key = r.executor.lower.keys(chunk(2))[0].digest
         path = Path(r.store.disk.path_of(key))
         at = read_header(path).data_offset + 100
@@ -212,6 +211,30 @@ SCENARIOS = {
 }
 
 
+def sglang_tp_group(rank: int) -> list[int]:
+    """Builds SGLang's own ``GroupCoordinator`` over both ranks, as its model runner does
+    (a gloo CPU group beside the device one), hands it out where the scheduler's
+    ``get_tp_group`` would (this process only), and returns the plugin's maximum of
+    [rank, 5 - rank, 7] over it."""
+    from sglang.srt import distributed
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+    group = GroupCoordinator(
+        [[0, 1]],
+        rank,
+        "gloo",
+        use_pynccl=False,
+        use_mscclpp=False,
+        use_custom_allreduce=False,
+        use_torch_symm_mem_all_reduce=False,
+        use_hpu_communicator=False,
+        use_xpu_communicator=False,
+        group_name="tp",
+    )
+    distributed.get_tp_group = lambda: group
+    return plugin._tp_max(torch.tensor([rank, 5 - rank, 7])).tolist()
+
+
 def rank_main(rank: int, port: int, root: str, out: Any) -> None:
     """One rank: every scenario in order, each on fresh tiers; its results or error."""
     results: dict[str, Any] = {}
@@ -223,6 +246,7 @@ def rank_main(rank: int, port: int, root: str, out: Any) -> None:
             world_size=2,
             timeout=timedelta(seconds=GLOO_TIMEOUT_S),
         )
+        results["tp_max"] = sglang_tp_group(rank)
         for name, (scenario, agree) in SCENARIOS.items():
             r = Rank(Path(root) / f"{name}-{rank}", agree)
             try:
@@ -277,6 +301,17 @@ def agreed(ranks: dict[int, dict[str, Any]], name: str) -> dict[str, Any]:
     return a
 
 
+def test_the_plugins_maximum_runs_over_sglangs_tp_group(ranks: dict) -> None:
+    """``plugin._tp_max`` on SGLang's ``GroupCoordinator`` (its ``cpu_group``), the group
+    ``tensor_model_parallel_all_reduce`` (``plugin._tp_sum``) also goes through."""
+    import inspect
+
+    from sglang.srt.distributed import communication_op
+
+    assert "get_tp_group()" in inspect.getsource(communication_op.tensor_model_parallel_all_reduce)
+    assert ranks[0]["tp_max"] == ranks[1]["tp_max"] == [1, 5, 7]
+
+
 def test_a_chunk_one_rank_deleted_is_a_miss_on_both(ranks: dict) -> None:
     got = agreed(ranks, "one_rank_deleted")
     # Chunk 2: rank 0 still held it on the device; both encoded it afresh.
@@ -287,8 +322,7 @@ def test_a_chunk_one_rank_deleted_is_a_miss_on_both(ranks: dict) -> None:
 def test_a_record_failing_mid_load_on_one_rank_makes_both_retry(ranks: dict) -> None:
     got = agreed(ranks, "one_rank_record_fails")
     assert got["retries"] == 1
-    # The retry: chunk 2 a miss on both; the others disk hits on both (rank 0 reads its
-    # device copies), planned as disk hits.
+    # The retry: chunk 2 a miss on both; the others disk hits on both.
     assert got["stats"]["misses"] == 1
     assert got["stats"]["disk_hits"] == 2 and got["stats"]["device_hits"] == 0
 
