@@ -7,7 +7,9 @@ memory and disk. A device hit is copied into the request's own slots and re-rota
 chunk's position (the node stays as it was); a lower-tier hit is loaded during phase 2. A
 chunk found nowhere is stored by phase 1 unless store admission defers it (computed in
 context in phase 2, like fresh text). Everything a request reads stays locked until the
-batch ends (``Release``)."""
+batch ends (``Release``). With tensor parallelism every rank looks in tiers of its own,
+then the ranks agree on each chunk before any of it is acted on (``Lookup``,
+``rank_agreement``)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ timeout; the parent gives up on the pair after ``WAIT_S``, so a hang fails the t
 - a disk record that fails its checksum on one rank while phase 2 loads it (the same
   tiers on both otherwise): both ranks finish the forward, then both retry, and the chunk
   is a miss on both;
+- a miss rank 1's store admission defers and rank 0's would store: deferred on both;
 - a chunk on the device on one rank and in host memory on the other: both plan it as a
   host hit (CacheTune's r of the slower tier), and recompute the same positions;
 - the control: the same tiers with each rank deciding alone (as before the agreement)
@@ -46,6 +47,7 @@ from sgl_pic.engine.executor import ChunkExecutor
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.rank_agreement import ChunkVote, RankAgreement
 from sgl_pic.keys import ModelFingerprint
+from sgl_pic.store.admission import StoreAdmission
 from sgl_pic.store.deletion import Deletion, segment_contents
 from sgl_pic.store.disk import DiskStoreConfig
 from sgl_pic.store.format import read_header
@@ -133,6 +135,7 @@ class Rank(Server):
             ratios=RATIOS,
             reduce=tp_sum,
             sync_deletions=Deleter(nodes, store=self.log).sync,
+            admission=StoreAdmission("always"),
             # The server's own collective (``binding.plugin``), over a real SGLang TP group.
             ranks=RankAgreement(plugin._tp_max if agree else None),
         )
@@ -202,7 +205,15 @@ def tiers_differ(r: Rank, rank: int) -> dict[str, Any]:
     return r.batch([1, 3, 2])
 
 
+def admission_apart(r: Rank, rank: int) -> dict[str, Any]:
+    """Rank 1's store admission defers first sights, rank 0's stores every miss."""
+    if rank == 1:
+        r.executor.admission = StoreAdmission("second_sight")
+    return r.batch([1, 2, 3])
+
+
 SCENARIOS = {
+    "admission_apart": (admission_apart, True),
     "one_rank_deleted": (one_rank_deleted, True),
     "one_rank_record_fails": (one_rank_record_fails, True),
     "tiers_differ": (tiers_differ, True),
@@ -325,6 +336,11 @@ def test_a_record_failing_mid_load_on_one_rank_makes_both_retry(ranks: dict) -> 
     # The retry: chunk 2 a miss on both; the others disk hits on both.
     assert got["stats"]["misses"] == 1
     assert got["stats"]["disk_hits"] == 2 and got["stats"]["device_hits"] == 0
+
+
+def test_a_miss_is_stored_only_where_every_rank_would(ranks: dict) -> None:
+    got = agreed(ranks, "admission_apart")
+    assert got["stats"]["deferred"] == 3 and got["stats"]["misses"] == 0
 
 
 def test_tiers_that_differ_between_ranks_give_one_plan(ranks: dict) -> None:
