@@ -71,6 +71,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.engine.executor import ChunkExecutor
     from sgl_pic.engine.forwards import HiddenSpec
     from sgl_pic.engine.kv_access import KVAccess
+    from sgl_pic.engine.rank_agreement import RankAgreement
     from sgl_pic.engine.tenants import tenant_policy
     from sgl_pic.http.spans import MarkSigner
     from sgl_pic.selection import ranking_recipe
@@ -162,6 +163,7 @@ def build_tree_cache(ctx: Any) -> Any:
     # A request admitted before a deletion and matched after it moves to the fresh tree
     # namespace then, not only when admitted.
     cache.set_restamp(lambda extra_key: restamped(extra_key, deleter.generation))
+    tp = int(getattr(ctx, "tp_size", 1) or 1) > 1
     executor = ChunkExecutor(
         settings.config,
         cache.chunk_nodes,
@@ -174,9 +176,10 @@ def build_tree_cache(ctx: Any) -> Any:
         feed_timeout_s=settings.feed_timeout_s,
         merge_gap=settings.merge_gap,
         admission=StoreAdmission(settings.admission),
-        reduce=_tp_sum if int(getattr(ctx, "tp_size", 1) or 1) > 1 else None,
+        reduce=_tp_sum if tp else None,
         sync_deletions=deleter.sync if lower is not None else None,
         hidden=HiddenSpec(int(hf.hidden_size), runner.dtype),
+        ranks=RankAgreement(_tp_max if tp else None),
     )
     signer = MarkSigner(settings.secret) if settings.secret else None
     gate = AdmissionGate(
@@ -349,3 +352,18 @@ def _tp_sum(t: torch.Tensor) -> torch.Tensor:
     from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
     return tensor_model_parallel_all_reduce(t.clone())
+
+
+def _tp_max(t: torch.Tensor) -> torch.Tensor:
+    """# same shape as ``t`` (a small int64 host tensor): its elementwise maximum over the
+    tensor-parallel ranks, through the TP group's gloo CPU group, as SGLang's scheduler
+    makes its ranks reject the same requests before any model collective
+    (``scheduler_components.request_receiver``): no device sync, nothing on the stream
+    SGLang's forwards use."""
+    from sglang.srt.distributed import get_tp_group
+
+    out = t.clone()
+    torch.distributed.all_reduce(
+        out, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group
+    )
+    return out

@@ -50,6 +50,7 @@ from sgl_pic.engine.phase2 import Phase2
 from sgl_pic.engine.piece_steps import FirstPieces
 from sgl_pic.engine.pieces import PiecePlans, Reservation, clip
 from sgl_pic.engine.promoter import Promote, Promoter
+from sgl_pic.engine.rank_agreement import RankAgreement
 from sgl_pic.engine.select import Select
 from sgl_pic.engine.signals import Signals
 from sgl_pic.store.admission import BatchAdmission, StoreAdmission
@@ -78,6 +79,9 @@ class ChunkExecutor:
                sync.
     hidden:    the decoder stack's output rows (a batch of prefill pieces with nothing to
                recompute runs no forward).
+    ranks:     decides what every tensor-parallel rank must do alike (lookups, admission,
+               a record that failed while loading, a split request's scratch row); None on
+               one rank.
     Worker side: ``forward`` runs on the scheduler's forward thread."""
 
     def __init__(
@@ -96,6 +100,7 @@ class ChunkExecutor:
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         sync_deletions: Callable[[], object] | None = None,
         hidden: HiddenSpec | None = None,
+        ranks: RankAgreement | None = None,
     ) -> None:
         self.config = settings_config
         self.sync_deletions = sync_deletions
@@ -105,6 +110,7 @@ class ChunkExecutor:
         self.metrics = metrics
         self.phases = phases
         self.admission = admission
+        self.ranks = ranks if ranks is not None else RankAgreement()
         forwards = PhaseForwards(
             kv, phases, metrics, lower, feed_mode, feed_timeout_s, reduce, hidden
         )
@@ -116,7 +122,7 @@ class ChunkExecutor:
             metrics,
         )
         signals = Signals(forwards)
-        self.lookup = Lookup(nodes, forwards, self.promoter)
+        self.lookup = Lookup(nodes, forwards, self.promoter, self.ranks)
         self.assemble = Assemble(forwards)
         self.phase1 = Phase1(settings_config, forwards, self.writer)
         self.signals = signals
@@ -185,16 +191,28 @@ class ChunkExecutor:
 
     def _reserve(self, specs: dict[int, ChunkSpec]) -> dict[int, ChunkSpec]:
         """``specs`` with each first piece moved onto a scratch row for its whole prompt
-        (``PiecePlans.reserve``); a first piece that gets none runs as SGLang would,
+        (``PiecePlans.reserve``); a first piece that gets none (on any tensor-parallel
+        rank: all ranks plan it over its pieces, or none does) runs as SGLang would,
         counted as a fallback."""
+        first = [b for b, spec in specs.items() if spec.first_piece]
+        got = {
+            b: self.pieces.reserve(
+                specs[b].pool_idx, specs[b].piece_end, len(specs[b].pending.token_ids)
+            )
+            for b in first
+        }
+        agreed = dict(
+            zip(first, self.ranks.all_of([got[b] is not None for b in first]), strict=True)
+        )
         out: dict[int, ChunkSpec] = {}
         for b, spec in specs.items():
             if not spec.first_piece:
                 out[b] = spec
                 continue
-            reservation = self.pieces.reserve(
-                spec.pool_idx, spec.piece_end, len(spec.pending.token_ids)
-            )
+            reservation = got[b]
+            if reservation is not None and not agreed[b]:
+                self.pieces.release(reservation)
+                reservation = None
             if reservation is None:
                 logger.warning(
                     "sgl_pic: no scratch row or slots for a request planned over several "
@@ -207,15 +225,18 @@ class ChunkExecutor:
         return out
 
     def _attempts(self, specs: dict[int, ChunkSpec], ctx: BatchContext) -> torch.Tensor:
-        """Runs the batch's steps, a second time if a stored chunk goes bad mid-load;
-        # [n, hidden]. Later pieces of requests planned earlier (``ctx.runs`` and
-        ``ctx.rows`` set for them) take part in phase 2 only."""
+        """Runs the batch's steps, a second time if a stored chunk goes bad mid-load on any
+        tensor-parallel rank (all ranks alike); # [n, hidden]. Later pieces of requests
+        planned earlier (``ctx.runs`` and ``ctx.rows`` set for them) take part in phase 2
+        only."""
         carried = dict(ctx.runs)
+        loader = self.lower.loader if self.lower is not None else None
         for attempt in range(2):
             plans: Plans = {b: spec.plan() for b, spec in specs.items()}
             ctx.copies = []
             ctx.runs = dict(carried)
             t0 = time.perf_counter()
+            missed = loader.stats().misses if loader is not None else 0
             try:
                 with single_thread():
                     self.lookup.run(plans, ctx)
@@ -227,14 +248,19 @@ class ChunkExecutor:
                 self.first_pieces.run(plans, ctx)
                 self.phase2.run(plans, ctx)
                 t2 = time.perf_counter()
+                # Feeds list a record that failed mid-load and go on (``layer_feed``): the
+                # ranks agree on it here, after every forward of the attempt.
+                if self.ranks.any_of(loader is not None and loader.stats().misses > missed):
+                    raise MissingChunkError("a lower-tier record failed while loading")
                 with single_thread():
                     self.promote.run(plans, ctx)
                 break
             except MissingChunkError:
-                # A host/disk record failed its checks mid-load; the store has counted and
-                # dropped it. Every slot the attempt wrote is written again by the next
-                # one, where that chunk misses and, admitted as the stored chunk it was in
-                # this attempt, is recomputed and stored afresh.
+                # A host/disk record failed its checks mid-load on some rank; its store has
+                # counted and dropped it. Every slot the attempt wrote is written again by
+                # the next one, where that chunk misses on every rank (``Lookup``) and,
+                # admitted as the stored chunk it was in this attempt, is recomputed and
+                # stored afresh.
                 if attempt:
                     raise
                 logger.warning("sgl_pic: a stored chunk went bad while loading; retrying")

@@ -20,6 +20,14 @@ the pool on that stream, so the copy of layer l + 1 overlaps the compute of laye
 CPU pool the threading.Event alone orders everything and the handoff is a no-op
 (``HostHandoff``); ``CudaHandoff`` is the CUDA one.
 
+A record that is gone or fails its checks while loading (``SparseLoader.fetch_layer``'s
+``missing``: the store has counted and dropped it) does not stop the forward: its rows are
+left as they are, every other chunk is still loaded, and the feed lists it in ``missing``.
+Raising in the middle of a forward on one tensor-parallel rank would leave the others
+waiting in its collectives; instead the executor asks every rank after phase 2 whether any
+of its feeds missed a record (``RankAgreement.any_of``), and all of them retry the batch,
+or fall back, together.
+
 Waits are bounded: a layer not loaded within ``timeout_s`` raises ``FeedTimeout`` and stops
 the worker. Only the forward's thread writes the pool (in ``before_layer``), so a stuck or
 late worker never touches the request's slots; the batch's exact rerun overwrites them.
@@ -73,8 +81,10 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class MissingChunkError(RuntimeError):
-    """A lower-tier record vanished or failed its checks while loading: the request cannot
-    use it (the store has counted and dropped it)."""
+    """A lower-tier record vanished or failed its checks while loading (on this rank or,
+    with tensor parallelism, on another): the request cannot use it (the store that held
+    it has counted and dropped it). Raised outside forwards only (``feed_every_layer``,
+    the executor after phase 2)."""
 
 
 class FeedTimeout(RuntimeError):
@@ -170,6 +180,9 @@ class LayerFeed:
     timeout_s: longest wait of ``before_layer`` for one layer in "threaded" mode (then
                ``FeedTimeout``). "inorder" loads on the caller's thread, unbounded.
 
+    ``missing``: the keys of records that could not be read at some layer (never written
+    from then on); read it once the feed is closed.
+
     On a CUDA pool, "threaded" copies on a side stream (``CudaHandoff``); after
     ``before_layer(l)`` returns, layer l is ordered before any later work on the caller's
     current stream (not necessarily finished on the device yet).
@@ -203,6 +216,7 @@ class LayerFeed:
         self.bytes_moved = 0
         self.bytes_dense = 0
         self.tokens_moved = 0
+        self.missing: list[str] = []
         self._loaded: dict[int, LoadedLayer] = {}
         self._ready = [threading.Event() for _ in range(num_layers)]
         self._consumed = threading.Semaphore(depth)
@@ -241,11 +255,13 @@ class LayerFeed:
                 ev.set()
 
     def _load(self, layer: int) -> LoadedLayer:
+        """Layer ``layer`` of every readable record; one that is not is listed in
+        ``missing`` and left out (on the worker, or the forward's thread in "inorder")."""
         fetched = self.loader.fetch_layer(self.placements, layer)
-        if fetched.missing:
-            raise MissingChunkError(
-                f"{len(fetched.missing)} lower-tier segment(s) became unreadable at layer {layer}"
-            )
+        for key in fetched.missing:
+            if key not in self.missing:
+                logger.warning("sgl_pic: lower-tier record %s unreadable at layer %d", key, layer)
+                self.missing.append(key)
         return self.loader.rotate(self._handoff.to_pool_device(fetched))
 
     def before_layer(self, layer: int) -> None:
@@ -301,10 +317,14 @@ class LayerFeed:
 def feed_every_layer(feed: LayerFeed) -> None:
     """Starts ``feed`` and asks it for each layer in order, as a forward's layer hooks
     do, with no forward in between (calibration times the feed's own handoffs this way);
-    the feed is closed whatever happens."""
+    the feed is closed whatever happens. ``MissingChunkError`` once every layer was asked
+    for, if a record could not be read (no forward runs here, so raising stalls no other
+    rank)."""
     feed.start()
     try:
         for layer in range(feed.num_layers):
             feed.before_layer(layer)
     finally:
         feed.close()
+    if feed.missing:
+        raise MissingChunkError(f"{len(feed.missing)} lower-tier segment(s) became unreadable")

@@ -7,18 +7,47 @@ memory and disk. A device hit is copied into the request's own slots and re-rota
 chunk's position (the node stays as it was); a lower-tier hit is loaded during phase 2. A
 chunk found nowhere is stored by phase 1 unless store admission defers it (computed in
 context in phase 2, like fresh text). Everything a request reads stays locked until the
-batch ends (``Release``)."""
+batch ends (``Release``). With tensor parallelism every rank looks in tiers of its own,
+then the ranks agree on each chunk before any of it is acted on (``Lookup``,
+``rank_agreement``)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from sgl_pic.engine import planner
 from sgl_pic.engine.batch import BatchContext, HitCopy, Plans
-from sgl_pic.engine.chunk_nodes import ChunkNodeTable
+from sgl_pic.engine.chunk_nodes import ChunkHit, ChunkNodeTable
 from sgl_pic.engine.forwards import PhaseForwards
+from sgl_pic.engine.lower_tiers import LowerHit
 from sgl_pic.engine.planner import ChunkLookup, RequestPlan
 from sgl_pic.engine.promoter import Promoter
+from sgl_pic.engine.rank_agreement import ChunkVote, RankAgreement
+
+
+class Found(NamedTuple):
+    """This rank's own find of chunk [start, end) of a plan, locked until the batch ends
+    or the ranks agree it misses: its device copy, its lower-tier hit, or neither.
+    ``keep``: the first position past the device prefix (``start`` unless the prefix ends
+    inside the chunk, where only a device copy serves); ``keys``: the lower-tier records
+    this find locked."""
+
+    start: int
+    end: int
+    keep: int
+    device: ChunkHit | None = None
+    lower: LowerHit | None = None
+    keys: tuple[str, ...] = ()
+
+    def vote(self) -> ChunkVote:
+        """What this rank puts to the others (``RankAgreement.agree_chunks``)."""
+        if self.device is not None:
+            return ChunkVote("device", self.device.ranking is not None)
+        if self.lower is not None:
+            return ChunkVote(self.lower.tier, self.lower.ranking is not None)
+        return ChunkVote(None, True)
 
 
 class Lookup:
@@ -26,37 +55,64 @@ class Lookup:
     promoter's jobs (a chunk whose promotion is under way is finished first).
     Writes: each plan's rankings, hits, misses, deferred chunks, forced positions, stats
     and locks (``planner.classify``); ``ctx.copies`` (device hits); ``ctx.admission``
-    (one sighting per chunk)."""
+    (one sighting per chunk).
 
-    def __init__(self, nodes: ChunkNodeTable, forwards: PhaseForwards, promoter: Promoter) -> None:
+    Every tensor-parallel rank finds each chunk in tiers of its own, so what a plan makes
+    of a chunk is agreed first (``ranks``, a ``RankAgreement``): a miss on any rank is a
+    miss on all (a rank that found it lets go of its find), a hit is planned and counted
+    as the slowest tier any rank holds it in (each rank still reads its own copy: a
+    device copy where it has one), and a miss is stored only where every rank's store
+    admission would store it. The plans, and through them every forward of the batch,
+    are then the same on every rank, whichever rank applied which deletions of the shared
+    log (``Deleter.sync``) or lost which records."""
+
+    def __init__(
+        self,
+        nodes: ChunkNodeTable,
+        forwards: PhaseForwards,
+        promoter: Promoter,
+        ranks: RankAgreement | None = None,
+    ) -> None:
         self.nodes = nodes
         self.forwards = forwards
         self.promoter = promoter
+        self.ranks = ranks if ranks is not None else RankAgreement()
 
     def run(self, plans: Plans, ctx: BatchContext) -> None:
-        for plan in plans.values():
-            planner.classify(
-                plan,
-                lambda s, e, plan=plan: self.lookup(plan, s, e, ctx),
-                lambda s, e, keep, plan=plan: self.lookup(plan, s, e, ctx, keep),
-            )
+        found = {b: [self.find(plan, *c) for c in looked_up(plan)] for b, plan in plans.items()}
+        flat = [(plans[b], f) for b, fs in found.items() for f in fs]
+        agreed = self.ranks.agree_chunks([f.vote() for _, f in flat])
+        # Store admission hears of every lookup in prompt order, as the agreed outcome; a
+        # chunk the device prefix ends inside is heard of only where it is reused.
+        admits: list[bool | None] = [
+            None
+            if a.tier is None and f.keep > f.start
+            else sighted(ctx, plan, plan.pending.token_ids[f.start : f.end], a.tier is not None)
+            for (plan, f), a in zip(flat, agreed, strict=True)
+        ]
+        misses = [i for i, a in enumerate(admits) if agreed[i].tier is None and a is not None]
+        agreed_admits = self.ranks.all_of([bool(admits[i]) for i in misses])
+        for i, admit in zip(misses, agreed_admits, strict=True):
+            admits[i] = admit
+        outcomes = iter(
+            [
+                ((f.start, f.end), self.use(plan, f, a, ctx, admit is not False))
+                for (plan, f), a, admit in zip(flat, agreed, admits, strict=True)
+            ]
+        )
 
-    def lookup(
-        self,
-        plan: RequestPlan,
-        start: int,
-        end: int,
-        ctx: BatchContext,
-        keep: int | None = None,
-    ) -> ChunkLookup:
-        """Where chunk [start, end) is reused from. A device hit's copy into the request's
-        slots is added to ``ctx.copies``; its nodes and a lower hit's records stay locked
-        until the batch ends, so nothing the request reads is evicted under it. ``keep``:
-        when the device prefix ends inside the chunk, its first position past the prefix;
-        only a device copy serves then (its rows from ``keep`` on; the prefix's slots are
-        shared and stay as they are), since host and disk loads place whole chunks. A miss
-        says whether store admission lets phase 1 store it."""
-        keep = start if keep is None else keep
+        def outcome(start: int, end: int, keep: int | None = None) -> ChunkLookup:
+            span, out = next(outcomes)
+            assert span == (start, end), "classify asks in the order looked_up lists"
+            return out
+
+        for plan in plans.values():
+            planner.classify(plan, outcome, outcome)
+
+    def find(self, plan: RequestPlan, start: int, end: int, keep: int) -> Found:
+        """Where this rank holds chunk [start, end) (see ``Found``), its device nodes or
+        lower-tier records locked and listed in the plan's locks, so that nothing is
+        evicted under the request; the batch's ``Release`` lets go of them."""
         chunk_ids = plan.pending.token_ids[start:end]
         lower_tiers = self.forwards.lower
         # Only the request's own namespace and the public ones it may read, own first
@@ -71,32 +127,68 @@ class Lookup:
             (h for ns in readable if (h := self.nodes.match(chunk_ids, ns)) is not None), None
         )
         if hit is not None:
-            sighted(ctx, plan, chunk_ids, stored=True)
             self.nodes.lock(hit.nodes)
             plan.locked_nodes.extend(hit.nodes)
+            return Found(start, end, keep, device=hit)
+        if keep > start or lower_tiers is None:
+            return Found(start, end, keep)  # host and disk loads place whole chunks only
+        lower = next(
+            (h for ns in readable if (h := lower_tiers.match(chunk_ids, ns)) is not None),
+            None,
+        )
+        if lower is None:
+            return Found(start, end, keep)
+        keys = tuple(k.digest for k in lower.keys if lower_tiers.store.lock(k.digest))
+        plan.locked_keys.extend(keys)
+        return Found(start, end, keep, lower=lower, keys=keys)
+
+    def use(
+        self, plan: RequestPlan, found: Found, agreed: ChunkVote, ctx: BatchContext, admit: bool
+    ) -> ChunkLookup:
+        """What the plan makes of ``found`` once the ranks agreed on it: a device hit's copy
+        into the request's slots goes to ``ctx.copies``, a lower hit to the plan's loads
+        (phase 2), each labelled with the agreed tier; a find the ranks agreed misses is
+        let go of. ``admit``: on a miss, whether phase 1 stores it."""
+        ranking = None
+        if found.device is not None:
+            ranking = found.device.ranking
+        elif found.lower is not None:
+            ranking = found.lower.ranking
+        if agreed.tier is None:
+            self.let_go(plan, found)
+            return ChunkLookup(None, None, admit)
+        start, keep, end = found.start, found.keep, found.end
+        if found.device is not None:
             # Rows keep - start.. hold keys at those chunk positions: moving them by
             # ``start`` puts them at keep..end-1.
-            ctx.copies.append(
-                HitCopy(hit.slots[keep - start :], self.forwards.slots(plan, keep, end), start)
-            )
-            return ChunkLookup("device", hit.ranking)
-        if keep > start:
-            return ChunkLookup(None, None)  # recomputed in context whatever admission says
-        lower = None
-        if lower_tiers is not None:
-            lower = next(
-                (h for ns in readable if (h := lower_tiers.match(chunk_ids, ns)) is not None),
-                None,
-            )
-        if lower is None:
-            return ChunkLookup(None, None, sighted(ctx, plan, chunk_ids, stored=False))
-        assert lower_tiers is not None
-        sighted(ctx, plan, chunk_ids, stored=True)
-        for k in lower.keys:
-            if lower_tiers.store.lock(k.digest):
-                plan.locked_keys.append(k.digest)
-        plan.lower.append((start, end, lower))
-        return ChunkLookup(lower.tier, lower.ranking)
+            slots = found.device.slots[keep - start :]
+            ctx.copies.append(HitCopy(slots, self.forwards.slots(plan, keep, end), start))
+        else:
+            assert found.lower is not None
+            plan.lower.append((start, end, found.lower))
+        return ChunkLookup(agreed.tier, ranking if agreed.ranked else None)
+
+    def let_go(self, plan: RequestPlan, found: Found) -> None:
+        """Unlocks what ``find`` locked for ``found`` and takes it off the plan's locks."""
+        if found.device is not None:
+            self.nodes.unlock(found.device.nodes)
+            for node in found.device.nodes:
+                plan.locked_nodes.remove(node)
+        if found.keys:
+            assert self.forwards.lower is not None
+            for key in found.keys:
+                self.forwards.lower.store.unlock(key)
+                plan.locked_keys.remove(key)
+
+
+def looked_up(plan: RequestPlan) -> list[tuple[int, int, int]]:
+    """(start, end, keep) of each chunk ``planner.classify`` asks about, in its order: every
+    chunk past the device prefix, ``keep`` its first position past it."""
+    return [
+        (s.start, s.end, max(s.start, plan.prefix))
+        for s in plan.pending.request.layout.chunks
+        if s.end > plan.prefix
+    ]
 
 
 def sighted(ctx: BatchContext, plan: RequestPlan, chunk_ids: tuple[int, ...], stored: bool) -> bool:

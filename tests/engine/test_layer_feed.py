@@ -205,7 +205,11 @@ def test_layers_must_come_in_order(setup, mode) -> None:
 
 
 @pytest.mark.parametrize("mode", FEED_MODES)
-def test_a_record_dropped_mid_way_raises_missing_chunk(host_only, mode) -> None:
+def test_a_record_dropped_mid_way_is_listed_and_the_forward_goes_on(host_only, mode) -> None:
+    """A record gone between two layers does not stop the forward (raising there would
+    leave the other tensor-parallel ranks in its collectives): every later layer is
+    asked for and returns, nothing of the dropped records is written from the drop on,
+    and the feed lists them for the executor, whose ranks then retry together."""
     s = host_only
     pool = FakePool(POOL, LAYERS, HEADS, DIM)
     feed = s.feed(mode, pool, depth=1)
@@ -218,19 +222,32 @@ def test_a_record_dropped_mid_way_raises_missing_chunk(host_only, mode) -> None:
         # The worker may already be fetching layer 1, never layer 2 (depth 1).
         s.store.evict(1 << 30)
         assert not any(s.store.contains(p.key) for p in s.placements)
-        with pytest.raises(MissingChunkError):
-            for layer in range(1, LAYERS):
-                feed.before_layer(layer)
-                assert layer < 2, "layer 2 cannot have been fetched before the drop"
+        for layer in range(1, LAYERS):
+            feed.before_layer(layer)
+        assert feed.done
     finally:
         feed.close()
-    assert time.monotonic() - t0 < 10.0  # an error, not a wait for the timeout
+    assert time.monotonic() - t0 < 10.0  # no wait for the timeout
     assert not any(w.is_alive() for w in workers)
+    reused = {p.key for p in s.placements if p.reuse.numel()}
+    assert set(feed.missing) == reused and len(feed.missing) == len(reused)
     k, v = pool.snapshot()
     want_k, want_v = s.expected_pool(1)
     torch.testing.assert_close(k[0], want_k[0], atol=1e-5, rtol=0)
     assert torch.equal(v[0], want_v[0])
     assert torch.equal(k[2:], want_k[2:]) and torch.equal(v[2:], want_v[2:])  # sentinel
+
+
+@pytest.mark.parametrize("mode", FEED_MODES)
+def test_feeding_every_layer_raises_for_a_dropped_record_once_done(host_only, mode) -> None:
+    """Outside a forward (``feed_every_layer``) a record that could not be read is an
+    error, raised after every layer was asked for."""
+    s = host_only
+    s.store.evict(1 << 30)
+    feed = s.feed(mode, FakePool(POOL, LAYERS, HEADS, DIM))
+    with pytest.raises(MissingChunkError):
+        feed_every_layer(feed)
+    assert feed.done and feed.missing
 
 
 def test_close_stops_an_idle_worker(setup) -> None:
