@@ -53,9 +53,10 @@ class Lookup:
         slots is added to ``ctx.copies``; its nodes and a lower hit's records stay locked
         until the batch ends, so nothing the request reads is evicted under it. ``keep``:
         when the device prefix ends inside the chunk, its first position past the prefix;
-        only a device copy serves then (its rows from ``keep`` on; the prefix's slots are
-        shared and stay as they are), since host and disk loads place whole chunks. A miss
-        says whether store admission lets phase 1 store it."""
+        only the chunk's rows from ``keep`` on are written (the prefix's slots are shared
+        and stay as they are): a device copy's, or a host/disk record's loaded whole here.
+        A miss says whether store admission lets phase 1 encode and store it (whole, apart
+        from the prefix's slots, when cut)."""
         keep = start if keep is None else keep
         chunk_ids = plan.pending.token_ids[start:end]
         lower_tiers = self.forwards.lower
@@ -80,14 +81,24 @@ class Lookup:
                 HitCopy(hit.slots[keep - start :], self.forwards.slots(plan, keep, end), start)
             )
             return ChunkLookup("device", hit.ranking)
-        if keep > start:
-            return ChunkLookup(None, None)  # recomputed in context whatever admission says
         lower = None
         if lower_tiers is not None:
             lower = next(
                 (h for ns in readable if (h := lower_tiers.match(chunk_ids, ns)) is not None),
                 None,
             )
+        if lower is not None and keep > start:
+            # Cut by the device prefix: loaded whole now and its rows from ``keep`` on
+            # written (the layer feed places whole chunks, and the prefix's slots are
+            # shared); a record gone bad makes it a miss.
+            assert lower_tiers is not None
+            kv = lower_tiers.load_full(lower, chunk_ids)
+            if kv is not None:
+                sighted(ctx, plan, chunk_ids, stored=True)
+                tail = kv[:, :, keep - start :].contiguous()
+                self.forwards.kv.write_rotated(self.forwards.slots(plan, keep, end), tail, start)
+                return ChunkLookup(lower.tier, lower.ranking)
+            lower = None
         if lower is None:
             return ChunkLookup(None, None, sighted(ctx, plan, chunk_ids, stored=False))
         assert lower_tiers is not None
