@@ -81,11 +81,16 @@ class PhaseForwards:
 
     def feed(self, plan: RequestPlan, sel: torch.Tensor, mode: str | None = None) -> LayerFeed:
         """The layer feed of a request's lower-tier chunks: each loads the tokens ``sel``
-        (# [k] global positions) does not recompute."""
+        (# [k] global positions) does not recompute, past the device prefix."""
         assert self.lower is not None
         placements = []
         for start, end, hit in plan.lower:
             local = sel[(sel >= start) & (sel < end)] - start
+            if start < plan.prefix:
+                # Cut by the device prefix: its first rows are the prefix's shared slots,
+                # never written (left out of the load as if recomputed).
+                head = torch.arange(plan.prefix - start, dtype=local.dtype)  # host: planning
+                local = torch.unique(torch.cat([head, local.to(head.device)]))
             placements += self.lower.placements(
                 hit, plan.pending.token_ids[start:end], start, local
             )

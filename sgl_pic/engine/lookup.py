@@ -31,8 +31,9 @@ class Found(NamedTuple):
     """This rank's own find of chunk [start, end) of a plan, locked until the batch ends
     or the ranks agree it misses: its device copy, its lower-tier hit, or neither.
     ``keep``: the first position past the device prefix (``start`` unless the prefix ends
-    inside the chunk, where only a device copy serves); ``keys``: the lower-tier records
-    this find locked."""
+    inside the chunk: only its rows from ``keep`` on are then written, the prefix's slots
+    being shared; the layer feed skips the rows before the prefix); ``keys``: the
+    lower-tier records this find locked."""
 
     start: int
     end: int
@@ -82,12 +83,10 @@ class Lookup:
         found = {b: [self.find(plan, *c) for c in looked_up(plan)] for b, plan in plans.items()}
         flat = [(plans[b], f) for b, fs in found.items() for f in fs]
         agreed = self.ranks.agree_chunks([f.vote() for _, f in flat])
-        # Store admission hears of every lookup in prompt order, as the agreed outcome; a
-        # chunk the device prefix ends inside is heard of only where it is reused.
+        # Store admission hears of every lookup in prompt order, as the agreed outcome (a
+        # chunk the device prefix ends inside included: a miss of it is encoded whole).
         admits: list[bool | None] = [
-            None
-            if a.tier is None and f.keep > f.start
-            else sighted(ctx, plan, plan.pending.token_ids[f.start : f.end], a.tier is not None)
+            sighted(ctx, plan, plan.pending.token_ids[f.start : f.end], a.tier is not None)
             for (plan, f), a in zip(flat, agreed, strict=True)
         ]
         misses = [i for i, a in enumerate(admits) if agreed[i].tier is None and a is not None]
@@ -130,8 +129,8 @@ class Lookup:
             self.nodes.lock(hit.nodes)
             plan.locked_nodes.extend(hit.nodes)
             return Found(start, end, keep, device=hit)
-        if keep > start or lower_tiers is None:
-            return Found(start, end, keep)  # host and disk loads place whole chunks only
+        if lower_tiers is None:
+            return Found(start, end, keep)
         lower = next(
             (h for ns in readable if (h := lower_tiers.match(chunk_ids, ns)) is not None),
             None,

@@ -3,7 +3,9 @@
 Each admitted miss runs as a sub-request from position 0 over its own slots (a scratch
 row of SGLang's request table that holds just those slots), so its KV is the chunk's
 independent KV. It is copied into new chunk nodes (``NodeWriter``), written through to the
-host tier, and its keys are re-rotated in place to the chunk's position."""
+host tier, and its keys are re-rotated in place to the chunk's position. A chunk the
+device prefix cuts is encoded on slots taken for it, and only its rows past the prefix
+are written into the request's."""
 
 from __future__ import annotations
 
@@ -92,19 +94,46 @@ class Phase1:
         misses = [(plan, s, e) for plan in plans.values() for s, e in plan.misses]
         if not misses:
             return
-        self._encode(misses, ctx)
-        for plan, start, end in misses:
-            ranking = self._store(plan, start, end)
-            i = next(j for j, s in enumerate(plan.layout.chunks) if s.start == start)
-            plan.rankings[i] = ranking
-            assert plan.stats is not None
-            plan.stats = plan.stats._replace(
-                misses=plan.stats.misses + 1,
-                encoded_tokens=plan.stats.encoded_tokens + end - start,
-            )
+        # Where each miss is encoded: its own slots, or slots of its own for a chunk the
+        # device prefix cuts (the prefix's slots are shared and hold the prefix's KV).
+        where: list[torch.Tensor] = []
+        temp: list[torch.Tensor] = []
+        try:
+            for plan, start, end in misses:
+                if start < plan.prefix:
+                    temp.append(self._temp_slots(end - start))
+                    where.append(temp[-1][: end - start])
+                else:
+                    where.append(self.forwards.slots(plan, start, end))
+            self._encode(misses, where, ctx)
+            for (plan, start, end), slots in zip(misses, where, strict=True):
+                ranking = self._store(plan, start, end, slots)
+                i = next(j for j, s in enumerate(plan.layout.chunks) if s.start == start)
+                plan.rankings[i] = ranking
+                assert plan.stats is not None
+                plan.stats = plan.stats._replace(
+                    misses=plan.stats.misses + 1,
+                    encoded_tokens=plan.stats.encoded_tokens + end - start,
+                )
+        finally:
+            for slots in temp:
+                self.writer.nodes.allocator.free(slots)
 
-    def _encode(self, misses: list[Miss], ctx: BatchContext) -> None:
-        """The phase-1 forwards: every miss from position 0 on a scratch row of its own."""
+    def _temp_slots(self, n: int) -> torch.Tensor:
+        """# [m >= n] slots (whole pages) from SGLang's allocator, chunk nodes evicted for
+        them if need be; ``NoScratchRows`` when there are none (the batch runs exact)."""
+        nodes = self.writer.nodes
+        need = -(-n // nodes.page_size) * nodes.page_size
+        slots = nodes.allocator.alloc(need)
+        if slots is None and nodes.evict(need) > 0:
+            slots = nodes.allocator.alloc(need)
+        if slots is None:
+            raise NoScratchRows("no free slots to encode a chunk the device prefix cuts")
+        return slots
+
+    def _encode(self, misses: list[Miss], where: list[torch.Tensor], ctx: BatchContext) -> None:
+        """The phase-1 forwards: every miss from position 0 on a scratch row of its own,
+        over its slots ``where`` (# [end - start] each)."""
         phases = self.forwards.phases
         rows = phases.scratch_rows(min(len(misses), MAX_SCRATCH_ROWS))
         if rows is None:
@@ -116,10 +145,10 @@ class Phase1:
             for at in range(0, len(misses), len(rows)):
                 batch = misses[at : at + len(rows)]
                 subs, ids = [], []
-                for row, (plan, start, end) in zip(rows, batch, strict=False):
-                    table[row, : end - start] = self.forwards.slots(plan, start, end).to(
-                        table.dtype
-                    )
+                for row, (plan, start, end), slots in zip(
+                    rows, batch, where[at : at + len(rows)], strict=False
+                ):
+                    table[row, : end - start] = slots.to(table.device, table.dtype)
                     subs.append(SubRequest(row, 0, end - start))
                     ids.extend(plan.pending.token_ids[start:end])
                 ids_t = torch.tensor(ids, dtype=torch.int64, device=table.device)
@@ -127,11 +156,17 @@ class Phase1:
         finally:
             phases.free_rows(rows)
 
-    def _store(self, plan: RequestPlan, start: int, end: int) -> torch.Tensor:
-        """Stores one encoded miss in the chunk nodes and the lower tiers, re-rotates its
-        keys in place to the chunk's position; its ranking # [end - start]."""
+    def _store(
+        self,
+        plan: RequestPlan,
+        start: int,
+        end: int,
+        slots: torch.Tensor,  # [end - start] where it was encoded
+    ) -> torch.Tensor:
+        """Stores one encoded miss in the chunk nodes and the lower tiers and writes it to
+        the request's slots past its device prefix, keys re-rotated to the chunk's
+        position; its ranking # [end - start]."""
         kv_access, lower = self.forwards.kv, self.forwards.lower
-        slots = self.forwards.slots(plan, start, end)
         chunk_ids = plan.pending.token_ids[start:end]
         # All of it on one thread, as the copies: small ops, where OpenMP's barriers under
         # a serving load cost more than a second thread gains (``single_thread``).
@@ -148,5 +183,10 @@ class Phase1:
             if lower is not None:
                 # Write-through: the host tier then puts it on disk in the background.
                 lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns)
-            kv_access.write_rotated(slots, kv, start)
+            keep = max(start, plan.prefix)
+            if keep == start:
+                kv_access.write_rotated(slots, kv, start)
+            else:
+                tail = kv[:, :, keep - start :].contiguous()
+                kv_access.write_rotated(self.forwards.slots(plan, keep, end), tail, start)
         return ranking

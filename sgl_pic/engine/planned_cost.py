@@ -49,13 +49,9 @@ DEVIATION_LAYERS = 2
 
 
 class Presence(Protocol):
-    """Where a chunk is held now, without touching it: "device", "host", "disk" or None.
-    ``device_only``: only the chunk nodes count (a chunk the device prefix ends inside is
-    served from its device copy alone, ``lookup.Lookup``)."""
+    """Where a chunk is held now, without touching it: "device", "host", "disk" or None."""
 
-    def tier(
-        self, chunk_ids: tuple[int, ...], readable: Sequence[str], device_only: bool = False
-    ) -> str | None: ...
+    def tier(self, chunk_ids: tuple[int, ...], readable: Sequence[str]) -> str | None: ...
 
 
 class _Memo:
@@ -102,15 +98,13 @@ class TierPresence:
             lambda: tuple(k.digest for k in keys(chunk_ids, namespace)),
         )
 
-    def tier(
-        self, chunk_ids: tuple[int, ...], readable: Sequence[str], device_only: bool = False
-    ) -> str | None:
+    def tier(self, chunk_ids: tuple[int, ...], readable: Sequence[str]) -> str | None:
         nodes = self.nodes
         for ns in readable:
             if all(nodes.contains(d) for d in self.digests("nodes", chunk_ids, ns)):
                 return "device"
         lower = self.lower
-        if device_only or lower is None:
+        if lower is None:
             return None
         host, disk = lower.store.host, lower.store.disk
         for ns in readable:
@@ -214,16 +208,13 @@ class PlannedCost:
             return CostEstimate(extend, 0, extend, 0.0, 0, extend)
         spans = pending.request.layout.chunks
         tiers = tuple(
-            self.presence.tier(
-                pending.token_ids[c.start : c.end], pending.readable, c.start < prefix
-            )
+            self.presence.tier(pending.token_ids[c.start : c.end], pending.readable)
             if c.end > prefix
             else "prefix"
             for c in spans
         )
-        encoded = sum(
-            c.length for c, t in zip(spans, tiers, strict=True) if t is None and c.start >= prefix
-        )
+        # A miss is encoded whole, one the device prefix cuts included (``phase1``).
+        encoded = sum(c.length for c, t in zip(spans, tiers, strict=True) if t is None)
         # The marks by identity (kept alive in the entry, so the id is not reused): a
         # request keeps the same ``Pending`` while it waits.
         key = (id(pending), prefix, config, tiers)
@@ -249,11 +240,8 @@ class PlannedCost:
         def lookup(start: int, end: int) -> ChunkLookup:
             return ChunkLookup(where[(start, end)], _last_first(end - start))
 
-        def lookup_tail(start: int, end: int, keep: int) -> ChunkLookup:
-            tier = where[(start, end)]
-            return ChunkLookup(tier, _last_first(end - start) if tier else None)
-
-        planner.classify(plan, lookup, lookup_tail)
+        # A cut chunk, hit or encoded whole, as any other (phase 1 ranks a miss).
+        planner.classify(plan, lookup, lambda start, end, keep: lookup(start, end))
         flat = _StandInSignals()
         selected = planner.select(plan, flat, self.ratios)
         assert plan.forced is not None

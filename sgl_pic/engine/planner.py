@@ -90,9 +90,10 @@ def classify(
     """Fills the plan's rankings, hits, misses, deferred chunks, forced positions and
     stats. ``lookup`` is called once per chunk past the device prefix, in prompt order;
     ``lookup_tail(start, end, prefix)`` once for the chunk the device prefix ends inside,
-    whose positions from the prefix on may be reused from the chunk's device copy (a hit)
-    or are recomputed (a miss, or no ``lookup_tail``). A miss not admitted is deferred:
-    forced, and fresh text in ``plan.layout`` from here on."""
+    whose positions from the prefix on are reused from a stored copy (a hit) or from the
+    chunk encoded whole by phase 1 (an admitted miss), else recomputed (a miss not
+    admitted, or no ``lookup_tail``). A whole miss not admitted is deferred: forced, and
+    fresh text in ``plan.layout`` from here on."""
     layout = plan.pending.request.layout
     device = contiguous = disjoint = reused = 0
     by_tier = dict.fromkeys(TIERS, 0)
@@ -108,11 +109,13 @@ def classify(
         start = max(span.start, plan.prefix)
         if span.start < plan.prefix:
             # Part device prefix, part new: SGLang's radix cache matched the chunk's first
-            # tokens (text that other prompts share there, such as a "Passage:" label).
-            # The rest is the chunk's KV from its device copy when it has one; with no copy
-            # it is recomputed, as phase 1 would have to write the prefix's shared slots.
+            # tokens (text that other prompts share there, such as a "Passage:" label, or
+            # the prefix ended at a page boundary). The rest is the chunk's KV from a copy
+            # (device, host or disk) when it has one; a miss store admission takes is
+            # encoded whole by phase 1 apart from the prefix's shared slots, stored, and
+            # its rows from the prefix on reused (``misses`` then starts before the prefix).
             hit = lookup_tail(span.start, span.end, start) if lookup_tail else None
-            if hit is None or hit.tier is None:
+            if hit is None:
                 forced.append(torch.arange(start, span.end))  # host: planning
                 seen_miss = True
                 plan.rankings.append(torch.zeros(span.length))  # host: planning
@@ -120,8 +123,11 @@ def classify(
         else:
             hit = lookup(span.start, span.end)
         if hit.tier is None and not hit.admit:
-            forced.append(torch.arange(span.start, span.end))  # host: planning
-            plan.deferred.append((span.start, span.end))
+            forced.append(torch.arange(start, span.end))  # host: planning
+            if start == span.start:
+                plan.deferred.append((span.start, span.end))
+            else:
+                plan.rankings.append(torch.zeros(span.length))  # host: planning
             seen_miss = True
             continue
         plan.rankings.append(hit.ranking)

@@ -84,9 +84,6 @@ def test_presence_reads_every_tier_without_touching_it(lower: LowerTiers) -> Non
     assert presence.tier(b, ("",)) == "host"
     assert presence.tier(c, ("",)) == "disk"
     assert presence.tier(toks[60:], ("",)) is None
-    # A chunk the device prefix ends inside is served from its device copy alone.
-    assert presence.tier(b, ("",), device_only=True) is None
-    assert presence.tier(a, ("",), device_only=True) == "device"
     # No access counted, nothing promoted or moved.
     assert [(n.hits, n.last_access) for n in nodes._nodes.values()] == before
     assert lower.store.tier_stats() == stats
@@ -137,19 +134,20 @@ def test_exact_configs_cost_their_extend() -> None:
         assert PlannedCost(presence, LAYERS).estimate(pending(toks), config, 10).cost == N - 10
 
 
-def test_the_device_prefix_is_free_and_a_chunk_it_cuts_is_recomputed_without_a_copy() -> None:
+def test_the_device_prefix_is_free_and_a_chunk_it_cuts_is_encoded_whole_without_a_copy() -> None:
     toks = ids()
-    # Chunk 0 has no device copy; the prefix ends at 12, inside it.
+    # Chunk 0 has no stored copy; the prefix ends at 12, inside it.
     presence = TierPresence(table([toks[20:40], toks[40:60]]))
     config = PicConfig(policy="full_reuse")
     est = PlannedCost(presence, LAYERS).estimate(pending(toks), config, 12)
     assert est.extend == N - 12
-    # Rows 12..19 forced, the question's 6 rows; chunks 1 and 2 reused whole.
-    assert est.computed == 8 + 6 and est.reused == 40 and est.encoded == 0
-    # With its device copy, the cut chunk's rows past the prefix are reused.
+    # Chunk 0 encoded whole by phase 1 (its rows past the prefix then reused), the
+    # question's 6 rows computed; chunks 1 and 2 reused whole.
+    assert est.encoded == 20 and est.computed == 6 and est.reused == 40
+    # With a stored copy, the cut chunk's rows past the prefix are reused.
     warm = TierPresence(table([toks[s:e] for s, e in SPANS]))
     est = PlannedCost(warm, LAYERS).estimate(pending(toks), config, 12)
-    assert est.computed == 6 and est.reused == 8 + 40
+    assert est.computed == 6 and est.reused == 8 + 40 and est.encoded == 0
 
 
 def test_signal_passes_count_by_the_layers_they_run() -> None:
@@ -196,8 +194,8 @@ def test_the_count_is_what_the_policy_recomputes_whatever_the_signals(
 ) -> None:
     """The estimate runs the policy over stand-in signals; the batch runs it over real
     ones. Registered policies choose as many rows either way; where the device prefix cuts
-    a chunk (a held one at 4, a missed one, recomputed past it, at 24), the estimate is the
-    most any signal can make them compute."""
+    a chunk (a held one at 4, a missed one, encoded whole, at 24), the estimate is the most
+    any signal can make them compute."""
     toks = ids()
     held = [toks[0:20], toks[40:60]]
     presence = TierPresence(table(held))

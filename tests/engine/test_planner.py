@@ -109,30 +109,42 @@ def test_classify_splits_prefix_hits_and_misses() -> None:
     assert (s.reused_tokens, s.new_tokens, s.prefix_hit_tokens) == (6, 14, 6)
 
 
-def test_a_chunk_the_prefix_cuts_reuses_its_device_copy_from_the_prefix_on() -> None:
+def test_a_chunk_the_prefix_cuts_reuses_a_copy_or_is_encoded_whole() -> None:
     # The device prefix (6) ends inside chunk [4, 8): its tail is looked up once, with the
-    # prefix; a device hit makes 6..7 reused, a miss leaves them recomputed.
-    for tier, forced, reused in (("device", [], 2 + 4), (None, [6, 7], 4)):
+    # prefix. A stored copy makes 6..7 reused; an admitted miss is encoded whole by phase
+    # 1 (a miss from 4) and 6..7 reused from it; a miss admission defers is recomputed.
+    cases = (
+        ("device", True, [], 2 + 4, [(6, 8), (8, 12)], []),
+        (None, True, [], 4, [(8, 12)], [(4, 8)]),
+        (None, False, [6, 7], 4, [(8, 12)], []),
+    )
+    for tier, admit, forced, reused, hits, misses in cases:
         plan = _plan(spans=[[0, 4], [4, 8], [8, 12]], n=16, prefix=6)
         tails: list[tuple[int, int, int]] = []
 
         def lookup_tail(
-            start: int, end: int, keep: int, tier: str | None = tier, tails: list = tails
+            start: int,
+            end: int,
+            keep: int,
+            tier: str | None = tier,
+            admit: bool = admit,
+            tails: list = tails,
         ) -> ChunkLookup:
             tails.append((start, end, keep))
-            return ChunkLookup(tier, torch.arange(4.0) if tier else None)
+            return ChunkLookup(tier, torch.arange(4.0) if tier else None, admit)
 
         planner.classify(plan, lambda s, e: ChunkLookup("device", None), lookup_tail)
         assert tails == [(4, 8, 6)]
         assert plan.forced is not None and plan.forced.tolist() == forced
+        assert plan.hit_spans == hits and plan.misses == misses and plan.deferred == []
+        assert len(plan.rankings) == 3
         s = plan.stats
         assert s is not None and s.reused_tokens == reused
         if tier:
-            assert plan.hit_spans == [(6, 8), (8, 12)] and plan.rankings[1] is not None
+            assert plan.rankings[1] is not None
             assert (s.contiguous_hits, s.device_hits, s.prefix_hit_tokens) == (2, 2, 12)
         else:
-            assert plan.hit_spans == [(8, 12)]
-            assert (s.contiguous_hits, s.disjoint_hits) == (0, 1)  # after the recomputed tail
+            assert (s.contiguous_hits, s.disjoint_hits) == (0, 1)  # after the cut miss
 
 
 def test_select_refines_by_prefix_and_counts_reuse() -> None:

@@ -89,45 +89,28 @@ def test_last_token_logits_match_oracle(server: Server) -> None:
     assert max(abs(float(full[tid]) - float(ref[tid])) for _, tid, _ in top) > 1e-3
 
 
-def test_a_chunk_the_radix_prefix_cuts_reuses_its_device_copy(server: Server) -> None:
-    """Two chunks open with the same label. After a request with the first, SGLang's radix
-    prefix of a request with the second ends inside it, after the label; the second was
-    cached earlier, so its rest comes from its chunk node (a contiguous device hit)
-    instead of being recomputed, and the answer is the oracle's for exactly that KV."""
+def _cut_request(h: list[int], chunk: list[int], question: list[int]) -> tuple:
+    toks = h + chunk + question
+    spans = [[len(h), len(h) + len(chunk)]]
+    req = body(toks, spans, n=1, policy="full_reuse")
+    req.update(return_logprob=True, top_logprobs_num=8)
+    return toks, spans, req
+
+
+def _check_cut_chunk_against_oracle(
+    out: dict[str, Any], toks: list[int], spans: list[list[int]], head: list[int], prefix: int
+) -> None:
+    """The KV a request whose device prefix cut its one chunk ran on: ``head`` exact (fresh
+    in the request that left it), the chunk's first rows as that request had them (the same
+    tokens' chunk KV), the rest the chunk's independent KV; its first token's top
+    logprobs are the oracle's for exactly that KV."""
     from sgl_pic.config import PicConfig
     from sgl_pic.layout import PromptLayout
     from sgl_pic.model.embedded import ensure_embedded_model
     from sgl_pic.oracle import Oracle
     from sgl_pic.selection import finalize, make_policy
     from sgl_pic.selection.base import SelectionContext
-    from tests.support.prompts import DOCS
 
-    label = ids("Archive card 93 reads:")
-    first, second = label + ids(" " + DOCS["C"] + "\n"), label + ids(" " + DOCS["E"] + "\n")
-    head = ids("Walrus ledger.\n")
-    question = ids("Question: Which city is a port?\nAnswer:")
-
-    def request(h: list[int], chunk: list[int]) -> tuple[list[int], list[list[int]], dict]:
-        toks = h + chunk + question
-        spans = [[len(h), len(h) + len(chunk)]]
-        req = body(toks, spans, n=1, policy="full_reuse")
-        req.update(return_logprob=True, top_logprobs_num=8)
-        return toks, spans, req
-
-    r = server.generate(request(ids("Heron ledger.\n"), second)[2])  # caches `second`
-    assert r.status_code == 200, r.text
-    r = server.generate(request(head, first)[2])  # leaves head + label as radix prefix
-    assert r.status_code == 200, r.text
-    toks, spans, req = request(head, second)
-    out, d = server.send(req)
-    prefix = len(head) + len(label)
-    assert out["meta_info"]["cached_tokens"] == prefix
-    assert (d[CONTIG], d[DISJOINT], d[MISSES], d[ENCODED]) == (1, 0, 0, 0)
-    assert d["sgl_pic_recomputed_tokens_total"] == len(question)  # fresh text only
-    assert d["sgl_pic_reused_tokens_total"] == len(second) - len(label)
-
-    # The KV the request ran on: head exact (fresh in the request that left it), the label
-    # as that request had it (the same tokens' chunk KV), the rest `second`'s chunk KV.
     oracle = Oracle.from_pretrained(ensure_embedded_model().path)
     t = torch.tensor(toks)
     layout = PromptLayout.from_spans(len(toks), spans)
@@ -144,6 +127,60 @@ def test_a_chunk_the_radix_prefix_cuts_reuses_its_device_copy(server: Server) ->
     top = out["meta_info"]["output_top_logprobs"][0]  # [[logprob, token_id, text], ...]
     for logprob, token_id, _ in top:
         assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
+
+
+def test_a_chunk_the_radix_prefix_cuts_reuses_its_device_copy(server: Server) -> None:
+    """Two chunks open with the same label. After a request with the first, SGLang's radix
+    prefix of a request with the second ends inside it, after the label; the second was
+    cached earlier, so its rest comes from its chunk node (a contiguous device hit)
+    instead of being recomputed, and the answer is the oracle's for exactly that KV."""
+    from tests.support.prompts import DOCS
+
+    label = ids("Archive card 93 reads:")
+    first, second = label + ids(" " + DOCS["C"] + "\n"), label + ids(" " + DOCS["E"] + "\n")
+    head = ids("Walrus ledger.\n")
+    question = ids("Question: Which city is a port?\nAnswer:")
+
+    r = server.generate(_cut_request(ids("Heron ledger.\n"), second, question)[2])  # caches it
+    assert r.status_code == 200, r.text
+    r = server.generate(_cut_request(head, first, question)[2])  # leaves head + label as prefix
+    assert r.status_code == 200, r.text
+    toks, spans, req = _cut_request(head, second, question)
+    out, d = server.send(req)
+    prefix = len(head) + len(label)
+    assert out["meta_info"]["cached_tokens"] == prefix
+    assert (d[CONTIG], d[DISJOINT], d[MISSES], d[ENCODED]) == (1, 0, 0, 0)
+    assert d["sgl_pic_recomputed_tokens_total"] == len(question)  # fresh text only
+    assert d["sgl_pic_reused_tokens_total"] == len(second) - len(label)
+    _check_cut_chunk_against_oracle(out, toks, spans, head, prefix)
+
+
+def test_a_chunk_the_radix_prefix_cuts_seen_first_is_encoded_whole_and_stored(
+    server: Server,
+) -> None:
+    """As above, but the cut chunk was never cached: phase 1 encodes it whole on slots of
+    its own (the prefix's are shared), stores it, and the request reuses its rows past the
+    prefix; the answer is the oracle's for that KV, and a later request finds the chunk."""
+    from tests.support.prompts import DOCS
+
+    label = ids("Registry slip 41 says:")
+    first, second = label + ids(" " + DOCS["A"] + "\n"), label + ids(" " + DOCS["D"] + "\n")
+    head = ids("Gannet ledger.\n")
+    question = ids("Question: Where is the sun at midnight?\nAnswer:")
+
+    r = server.generate(_cut_request(head, first, question)[2])  # leaves head + label as prefix
+    assert r.status_code == 200, r.text
+    toks, spans, req = _cut_request(head, second, question)
+    out, d = server.send(req)
+    prefix = len(head) + len(label)
+    assert out["meta_info"]["cached_tokens"] == prefix
+    assert (d[CONTIG], d[DISJOINT], d[MISSES]) == (0, 0, 1)
+    assert d[ENCODED] == len(second)  # whole, the label included
+    assert d["sgl_pic_recomputed_tokens_total"] == len(question)  # fresh text only
+    _check_cut_chunk_against_oracle(out, toks, spans, head, prefix)
+    # Stored when first seen: elsewhere, it is a hit.
+    _, d = server.send(_cut_request(ids("Tern ledger.\n"), second, question)[2])
+    assert d[CONTIG] == 1 and d[MISSES] == 0 and d[ENCODED] == 0
 
 
 def _server_against_oracle(server: Server, toks: list[int], spans: list, **pic: object) -> Any:
