@@ -194,7 +194,9 @@ def build_tree_cache(ctx: Any) -> Any:
     )
     runtime = PicRuntime(gate, metrics, executor, phases)
     cache.set_split_requests(
-        runtime.request_done, lambda: executor.pieces.held_tokens, executor.pieces.forget_all
+        runtime.request_done,
+        lambda: executor.split.plans.held_tokens,
+        executor.split.plans.forget_all,
     )
     if shutdown is not None:
         # The promoter reads from the tiers: its worker is joined before they stop.

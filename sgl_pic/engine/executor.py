@@ -47,8 +47,8 @@ from sgl_pic.engine.lookup import Assemble, Lookup, Release
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.phase1 import NodeWriter, NoScratchRows, Phase1
 from sgl_pic.engine.phase2 import Phase2
-from sgl_pic.engine.piece_steps import FirstPieces
-from sgl_pic.engine.pieces import PiecePlans, Reservation, clip
+from sgl_pic.engine.piece_steps import FirstPieces, SplitRequests
+from sgl_pic.engine.pieces import PiecePlans
 from sgl_pic.engine.promoter import Promote, Promoter
 from sgl_pic.engine.rank_agreement import RankAgreement
 from sgl_pic.engine.select import Select
@@ -131,7 +131,7 @@ class ChunkExecutor:
         self.promote = Promote(self.promoter)
         self.release = Release(nodes, forwards)
         self.first_pieces = FirstPieces(forwards)
-        self.pieces = PiecePlans(
+        plans = PiecePlans(
             phases.req_to_token,
             phases.scratch_rows,
             phases.free_rows,
@@ -139,8 +139,7 @@ class ChunkExecutor:
             nodes.evict,
             kv,
         )
-        # First pieces' reservations while their batch runs, by scratch row.
-        self._reserved: dict[int, Reservation] = {}
+        self.split = SplitRequests(plans, self.ranks, metrics)
 
     # ----------------------------------------------------------------- entry point
     def forward(
@@ -155,74 +154,25 @@ class ChunkExecutor:
         marks of the batch's chunked requests by request id (``PicRuntime.prepare_batch``)."""
         if len(self.promoter):
             self.promoter.finish_ready()
-        specs, pieces = chunk_specs(live, handoff, self.config, self.metrics, self.pieces)
-        specs = self._reserve(specs)
+        split = self.split
+        specs, pieces = chunk_specs(live, handoff, self.config, self.metrics, split.plans)
+        specs = split.reserve(specs)
         if not specs and not pieces:
             return None
         if self.sync_deletions is not None:
             self.sync_deletions()
         admission = BatchAdmission(self.admission)
         ctx = BatchContext(stack, input_ids, live, admission)
-        for b, piece in pieces.items():
-            ctx.runs[b] = clip(piece.carried.runs, piece.start, piece.end)
-            ctx.rows[b] = piece.carried.row
+        split.later_pieces(pieces, ctx)
         try:
             hidden = self._attempts(specs, ctx)
             self.export_sizes()
         except BaseException:
             admission.abandon()  # the runtime reruns it as plain prefill
-            # Pieces planned here are not carried; later pieces of requests carried into
-            # this batch would attend KV the rerun left out of the scratch row.
-            for spec in specs.values():
-                if spec.first_piece:
-                    self.pieces.release(self._reserved.pop(spec.pool_idx))
-            for piece in pieces.values():
-                self.pieces.drop(piece.rid)
+            split.abandon(specs, pieces)
             raise
-        for b, spec in specs.items():
-            if spec.first_piece:
-                reservation = self._reserved.pop(spec.pool_idx)
-                self.pieces.keep(live.rids[b], reservation, ctx.full_runs[b])
-                self.metrics.split_requests.inc()
-        for piece in pieces.values():
-            self.pieces.advance(piece.rid, piece.live_row, piece.start, piece.end)
-        self.metrics.pieces.inc(len(pieces) + sum(s.first_piece for s in specs.values()))
+        split.commit(specs, pieces, ctx)
         return hidden
-
-    def _reserve(self, specs: dict[int, ChunkSpec]) -> dict[int, ChunkSpec]:
-        """``specs`` with each first piece moved onto a scratch row for its whole prompt
-        (``PiecePlans.reserve``); a first piece that gets none (on any tensor-parallel
-        rank: all ranks plan it over its pieces, or none does) runs as SGLang would,
-        counted as a fallback."""
-        first = [b for b, spec in specs.items() if spec.first_piece]
-        got = {
-            b: self.pieces.reserve(
-                specs[b].pool_idx, specs[b].piece_end, len(specs[b].pending.token_ids)
-            )
-            for b in first
-        }
-        agreed = dict(
-            zip(first, self.ranks.all_of([got[b] is not None for b in first]), strict=True)
-        )
-        out: dict[int, ChunkSpec] = {}
-        for b, spec in specs.items():
-            if not spec.first_piece:
-                out[b] = spec
-                continue
-            reservation = got[b]
-            if reservation is not None and not agreed[b]:
-                self.pieces.release(reservation)
-                reservation = None
-            if reservation is None:
-                logger.warning(
-                    "sgl_pic: no scratch row or slots for a request planned over several "
-                    "prefill pieces; this piece runs without reuse"
-                )
-                self.metrics.fallbacks.inc()
-                continue
-            self._reserved[reservation.row] = reservation
-            out[b] = spec._replace(pool_idx=reservation.row)
-        return out
 
     def _attempts(self, specs: dict[int, ChunkSpec], ctx: BatchContext) -> torch.Tensor:
         """Runs the batch's steps, a second time if a stored chunk goes bad mid-load on any
@@ -317,7 +267,7 @@ class ChunkExecutor:
     def request_done(self, rid: str) -> None:
         """Scheduler side: SGLang ended request ``rid``; a plan carried for its next
         prefill pieces is dropped, its scratch row and slots given back."""
-        self.pieces.drop(rid)
+        self.split.plans.drop(rid)
 
     def close(self) -> None:
         """Joins the promoter's worker (shutdown)."""

@@ -1,12 +1,100 @@
-"""The step between selection and phase 2 for requests planned whole at their first
-prefill piece (``pieces``): their phase-2 runs are cut to the piece, the whole prompt's
-kept for the pieces that follow."""
+"""What a batch does for requests split into prefill pieces (``pieces``): their first
+pieces' scratch rows reserved before the steps and carried (or given back) after them
+(``SplitRequests``), and the step between selection and phase 2 that cuts a first piece's
+runs to the piece (``FirstPieces``)."""
 
 from __future__ import annotations
 
-from sgl_pic.engine.batch import BatchContext, Plans
+import logging
+
+from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.engine.batch import BatchContext, ChunkSpec, PieceSpec, Plans
 from sgl_pic.engine.forwards import PhaseForwards
-from sgl_pic.engine.pieces import clip
+from sgl_pic.engine.pieces import PiecePlans, Reservation, clip
+from sgl_pic.engine.rank_agreement import RankAgreement
+
+logger = logging.getLogger(__name__)
+
+
+class SplitRequests:
+    """plans:  the carried plans (``PiecePlans``, their owner).
+    ranks:     agrees a first piece's reservation over tensor-parallel ranks.
+    metrics:   counts split requests, pieces and the first pieces that found no room.
+    Worker side: the executor calls ``reserve`` and ``later_pieces`` before a batch's
+    steps, then ``commit`` after them or ``abandon`` when they failed."""
+
+    def __init__(self, plans: PiecePlans, ranks: RankAgreement, metrics: PicMetrics) -> None:
+        self.plans = plans
+        self.ranks = ranks
+        self.metrics = metrics
+        # First pieces' reservations while their batch runs, by scratch row.
+        self._reserved: dict[int, Reservation] = {}
+
+    def reserve(self, specs: dict[int, ChunkSpec]) -> dict[int, ChunkSpec]:
+        """``specs`` with each first piece moved onto a scratch row for its whole prompt
+        (``PiecePlans.reserve``); a first piece that gets none (on any tensor-parallel
+        rank: all ranks plan it over its pieces, or none does) runs as SGLang would,
+        counted as a fallback."""
+        first = [b for b, spec in specs.items() if spec.first_piece]
+        got = {
+            b: self.plans.reserve(
+                specs[b].pool_idx, specs[b].piece_end, len(specs[b].pending.token_ids)
+            )
+            for b in first
+        }
+        ok = self.ranks.all_of([got[b] is not None for b in first])
+        agreed = dict(zip(first, ok, strict=True))
+        out: dict[int, ChunkSpec] = {}
+        for b, spec in specs.items():
+            if not spec.first_piece:
+                out[b] = spec
+                continue
+            reservation = got[b]
+            if reservation is not None and not agreed[b]:
+                self.plans.release(reservation)
+                reservation = None
+            if reservation is None:
+                logger.warning(
+                    "sgl_pic: no scratch row or slots for a request planned over several "
+                    "prefill pieces; this piece runs without reuse"
+                )
+                self.metrics.fallbacks.inc()
+                continue
+            self._reserved[reservation.row] = reservation
+            out[b] = spec._replace(pool_idx=reservation.row)
+        return out
+
+    def later_pieces(self, pieces: dict[int, PieceSpec], ctx: BatchContext) -> None:
+        """Each later piece's share of its carried runs, over its scratch row, into
+        ``ctx.runs`` and ``ctx.rows`` (phase 2 reads them)."""
+        for b, piece in pieces.items():
+            ctx.runs[b] = clip(piece.carried.runs, piece.start, piece.end)
+            ctx.rows[b] = piece.carried.row
+
+    def commit(
+        self, specs: dict[int, ChunkSpec], pieces: dict[int, PieceSpec], ctx: BatchContext
+    ) -> None:
+        """After the batch ran: first pieces' plans carried to their next pieces, later
+        pieces' KV copied into their slots (``PiecePlans.advance``)."""
+        rids = ctx.live.rids
+        for b, spec in specs.items():
+            if spec.first_piece:
+                reservation = self._reserved.pop(spec.pool_idx)
+                self.plans.keep(rids[b], reservation, ctx.full_runs[b])
+                self.metrics.split_requests.inc()
+        for piece in pieces.values():
+            self.plans.advance(piece.rid, piece.live_row, piece.start, piece.end)
+        self.metrics.pieces.inc(len(pieces) + sum(s.first_piece for s in specs.values()))
+
+    def abandon(self, specs: dict[int, ChunkSpec], pieces: dict[int, PieceSpec]) -> None:
+        """After the batch failed (the runtime reruns it as SGLang would): first pieces'
+        reservations given back; later pieces' plans dropped, since the rerun left their
+        KV out of the scratch row."""
+        for spec in specs.values():
+            if spec.first_piece:
+                self.plans.release(self._reserved.pop(spec.pool_idx))
+        for piece in pieces.values():
+            self.plans.drop(piece.rid)
 
 
 class FirstPieces:
