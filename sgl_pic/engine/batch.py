@@ -103,7 +103,8 @@ class BatchContext:
     full_runs:  a first piece's runs over its whole prompt, carried to its next pieces.
     rows:       the request-table row phase 2 runs each chunked request's runs over (a
                 planned-whole request's scratch row, ``pieces``).
-    hidden:     the batch's hidden states # [n, hidden] (``Phase2`` writes)."""
+    hidden:     the batch's hidden states # [n, hidden] (``Phase2`` writes).
+    feed_timed_out: whether a layer feed of this rank's phase 2 timed out (``Phase2``)."""
 
     stack: Stack
     input_ids: torch.Tensor  # [n]
@@ -116,6 +117,7 @@ class BatchContext:
     full_runs: dict[int, list[Run]] = field(default_factory=dict)
     rows: dict[int, int] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
+    feed_timed_out: bool = False
 
 
 class Step(Protocol):

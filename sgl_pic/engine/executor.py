@@ -184,6 +184,7 @@ class ChunkExecutor:
         for attempt in range(2):
             plans: Plans = {b: spec.plan() for b, spec in specs.items()}
             ctx.copies = []
+            ctx.feed_timed_out = False
             ctx.runs = dict(carried)
             t0 = time.perf_counter()
             missed = loader.stats().misses if loader is not None else 0
@@ -198,9 +199,14 @@ class ChunkExecutor:
                 self.first_pieces.run(plans, ctx)
                 self.phase2.run(plans, ctx)
                 t2 = time.perf_counter()
-                # Feeds list a record that failed mid-load and go on (``layer_feed``): the
-                # ranks agree on it here, after every forward of the attempt.
-                if self.ranks.any_of(loader is not None and loader.stats().misses > missed):
+                # Feeds list a record that failed mid-load, or a layer not loaded in time,
+                # and go on (``layer_feed``): the ranks agree on both here, after every
+                # forward of the attempt, in one collective.
+                bad = loader is not None and loader.stats().misses > missed
+                in_time, sound = self.ranks.all_of([not ctx.feed_timed_out, not bad])
+                if not in_time:
+                    raise FeedTimeout("a layer's reused KV was not loaded in time")
+                if not sound:
                     raise MissingChunkError("a lower-tier record failed while loading")
                 with single_thread():
                     self.promote.run(plans, ctx)

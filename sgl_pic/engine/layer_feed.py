@@ -28,9 +28,11 @@ waiting in its collectives; instead the executor asks every rank after phase 2 w
 of its feeds missed a record (``RankAgreement.any_of``), and all of them retry the batch,
 or fall back, together.
 
-Waits are bounded: a layer not loaded within ``timeout_s`` raises ``FeedTimeout`` and stops
-the worker. Only the forward's thread writes the pool (in ``before_layer``), so a stuck or
-late worker never touches the request's slots; the batch's exact rerun overwrites them.
+Waits are bounded: a layer not loaded within ``timeout_s`` stops the worker and sets
+``timed_out``; nothing more is loaded, and the executor agrees on it with the other ranks
+after the forward (all of them then run the batch as exact prefill). Only the forward's
+thread writes the pool (in ``before_layer``), so a stuck or late worker never touches the
+request's slots; the batch's exact rerun overwrites them.
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class LayerFeed:
         self.bytes_dense = 0
         self.tokens_moved = 0
         self.missing: list[str] = []
+        self.timed_out = False  # a layer was not loaded in time (the rest were skipped)
         self._loaded: dict[int, LoadedLayer] = {}
         self._ready = [threading.Event() for _ in range(num_layers)]
         self._consumed = threading.Semaphore(depth)
@@ -268,13 +271,23 @@ class LayerFeed:
         """Blocks until layer ``layer``'s reused KV is in the pool (writing it there)."""
         if layer != self._next:
             raise RuntimeError(f"feed expected layer {self._next}, the forward is at {layer}")
+        if self.timed_out:
+            self._next += 1  # nothing more is loaded: the batch is run again (``timed_out``)
+            return
         if self.mode == "inorder":
             loaded = self._load(layer)
         else:
             if not self._ready[layer].wait(self.timeout_s):
-                # Stop the worker now, even if the caller never closes the feed.
+                # Stop the worker now, even if the caller never closes the feed. Not raised
+                # mid-forward: other tensor-parallel ranks are in this forward's collectives;
+                # the executor agrees on it with them after the forward.
                 self._stop.set()
-                raise FeedTimeout(f"layer {layer}'s reused KV not loaded in {self.timeout_s:g} s")
+                self.timed_out = True
+                logger.warning(
+                    "sgl_pic: layer %d's reused KV not loaded in %g s", layer, self.timeout_s
+                )
+                self._next += 1
+                return
             if self._error is not None:
                 raise self._error
             loaded = self._loaded.pop(layer)
@@ -326,5 +339,7 @@ def feed_every_layer(feed: LayerFeed) -> None:
             feed.before_layer(layer)
     finally:
         feed.close()
+    if feed.timed_out:
+        raise FeedTimeout(f"a layer's reused KV was not loaded in {feed.timeout_s:g} s")
     if feed.missing:
         raise MissingChunkError(f"{len(feed.missing)} lower-tier segment(s) became unreadable")

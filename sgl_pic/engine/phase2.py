@@ -22,7 +22,7 @@ from sgl_pic.engine.layer_feed import LayerFeed
 class Phase2:
     """Reads: ``ctx.runs`` (``Select``, ``FirstPieces``; later prefill pieces' set by the
     executor) and ``ctx.rows``, each plan's selection and lower-tier hits, the live batch's
-    plain requests. Writes: the recomputed positions' KV, the lower-tier
+    plain requests. Writes: ``ctx.feed_timed_out``, the recomputed positions' KV, the lower-tier
     chunks' KV of the positions not recomputed, each plan's run count; ``ctx.hidden``
     (# [n, hidden], the live batch's rows)."""
 
@@ -81,6 +81,7 @@ class Phase2:
             if not feed.done:
                 raise RuntimeError("phase 2 ended before every layer's reused KV was loaded")
             fw.count_loaded(feed)
+        ctx.feed_timed_out = any(feed.timed_out for feed in feeds)
         hidden = out.new_zeros((input_ids.shape[0], out.shape[-1]))
         hidden[take] = out
         ctx.hidden = hidden

@@ -371,11 +371,13 @@ def stuck_feed(s: Setup, pool: FakePool, timeout_s: float) -> tuple[LayerFeed, B
 
 
 @pytest.mark.parametrize("close_first", [True, False])
-def test_a_stuck_read_raises_feed_timeout_and_the_worker_ends(setup, close_first) -> None:
-    """Layer 1's read hangs: the forward gets FeedTimeout after about timeout_s, ``close``
-    does not wait the read out, and when the read finally returns the worker ends without
-    writing anything (the request's slots keep layer 0 only, for the rerun to overwrite).
-    The timeout alone stops the worker, even if ``close`` is never called."""
+def test_a_stuck_read_times_the_feed_out_and_the_worker_ends(setup, close_first) -> None:
+    """Layer 1's read hangs: after about timeout_s the feed is ``timed_out`` and skips
+    every later layer without raising (other tensor-parallel ranks are in the forward's
+    collectives; the executor agrees on it after the forward), ``close`` does not wait the
+    read out, and when the read finally returns the worker ends without writing anything
+    (the request's slots keep layer 0 only, for the rerun to overwrite). The timeout alone
+    stops the worker, even if ``close`` is never called."""
     pool = FakePool(POOL, LAYERS, HEADS, DIM)
     feed, loader = stuck_feed(setup, pool, timeout_s=0.5)
     before = feed_threads()
@@ -387,10 +389,13 @@ def test_a_stuck_read_raises_feed_timeout_and_the_worker_ends(setup, close_first
     # that had not reached it would see the stop and end without reading.
     assert loader.entered.wait(10)
     t0 = time.monotonic()
-    with pytest.raises(FeedTimeout, match="layer 1") as err:
-        feed.before_layer(1)
+    feed.before_layer(1)
     assert 0.45 < time.monotonic() - t0 < 3.0
-    assert isinstance(err.value, RuntimeError) and not feed.done
+    assert feed.timed_out and not feed.done
+    t1 = time.monotonic()
+    for layer in range(2, LAYERS):
+        feed.before_layer(layer)  # skipped at once
+    assert time.monotonic() - t1 < 0.4 and feed.done
     assert loader.entered.is_set() and feed.worker_alive  # still inside the read
     if close_first:
         t1 = time.monotonic()
@@ -600,3 +605,14 @@ def test_a_pool_of_only_the_forward_stream_is_refused(monkeypatch: pytest.Monkey
     PoolStreams([7], current=7).patch(monkeypatch)
     with pytest.raises(RuntimeError, match="distinct from the current one"):
         layer_feed.side_stream(torch.device("cuda", 0))
+
+
+def test_feed_every_layer_raises_feed_timeout_once_every_layer_was_asked(setup) -> None:
+    """Outside a forward (calibration) no other rank waits: a layer not loaded in time is
+    raised, after the remaining layers were skipped."""
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    feed, loader = stuck_feed(setup, pool, timeout_s=0.3)
+    with pytest.raises(FeedTimeout, match="not loaded"):
+        feed_every_layer(feed)
+    assert feed.timed_out and feed.done
+    loader.release.set()

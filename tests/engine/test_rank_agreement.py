@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -44,6 +45,7 @@ from sgl_pic.binding import plugin
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.deleter import Deleter
 from sgl_pic.engine.executor import ChunkExecutor
+from sgl_pic.engine.layer_feed import FeedTimeout
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.rank_agreement import ChunkVote, RankAgreement
 from sgl_pic.keys import ModelFingerprint
@@ -198,6 +200,30 @@ def one_rank_record_fails(r: Rank, rank: int) -> dict[str, Any]:
     return r.batch([2, 3, 1])
 
 
+def one_rank_feed_times_out(r: Rank, rank: int) -> dict[str, Any]:
+    """Both ranks read every chunk from disk; rank 1's read of layer 1 hangs past the
+    feed's timeout. Neither raises mid-forward: after phase 2 both give the batch up."""
+    r.stored([1, 2, 3])
+    r.drop_nodes([1, 2, 3])
+    r.store.host.evict(1 << 40)
+    r.executor.phase2.forwards.feed_timeout_s = 0.5
+    if rank == 1:
+        loader = r.executor.lower.loader
+        fetch = loader.fetch_layer
+
+        def slow(placements: Any, layer: int) -> Any:
+            if layer == 1:
+                time.sleep(2.0)
+            return fetch(placements, layer)
+
+        loader.fetch_layer = slow
+    try:
+        r.batch([2, 3, 1])
+    except FeedTimeout:
+        return {"given_up": True, "forwards": r.forwards}
+    return {"given_up": False, "forwards": r.forwards}
+
+
 def tiers_differ(r: Rank, rank: int) -> dict[str, Any]:
     r.stored([1, 2, 3])
     if rank == 1:
@@ -216,6 +242,7 @@ SCENARIOS = {
     "admission_apart": (admission_apart, True),
     "one_rank_deleted": (one_rank_deleted, True),
     "one_rank_record_fails": (one_rank_record_fails, True),
+    "one_rank_feed_times_out": (one_rank_feed_times_out, True),
     "tiers_differ": (tiers_differ, True),
     # Last: ranks that diverge leave the group out of step.
     "tiers_differ_unagreed": (tiers_differ, False),
@@ -336,6 +363,12 @@ def test_a_record_failing_mid_load_on_one_rank_makes_both_retry(ranks: dict) -> 
     # The retry: chunk 2 a miss on both; the others disk hits on both.
     assert got["stats"]["misses"] == 1
     assert got["stats"]["disk_hits"] == 2 and got["stats"]["device_hits"] == 0
+
+
+def test_a_feed_timing_out_on_one_rank_makes_both_give_the_batch_up(ranks: dict) -> None:
+    # The same forwards on both ranks, then both raise FeedTimeout (the runtime runs the
+    # batch as exact prefill on every rank).
+    assert agreed(ranks, "one_rank_feed_times_out")["given_up"] is True
 
 
 def test_a_miss_is_stored_only_where_every_rank_would(ranks: dict) -> None:
