@@ -56,6 +56,8 @@ def build_tree_cache(ctx: Any) -> Any:
     """Radix cache factory: SGLang's own tree plus chunk nodes (``ChunkRadixCache``), the
     host and disk tiers under them, the executor that uses them, and the process's
     ``PicRuntime`` that owns them (``runtime.set_current``)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
     from sgl_pic.binding import radix_cache
     from sgl_pic.binding.fingerprint import server_fingerprint
     from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks, restamped
@@ -180,6 +182,7 @@ def build_tree_cache(ctx: Any) -> Any:
         sync_deletions=deleter.sync if lower is not None else None,
         hidden=HiddenSpec(int(hf.hidden_size), runner.dtype),
         ranks=RankAgreement(_tp_max if tp else None),
+        make_room=lambda n: int(cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted),
     )
     signer = MarkSigner(settings.secret) if settings.secret else None
     gate = AdmissionGate(

@@ -82,6 +82,9 @@ class ChunkExecutor:
     ranks:     decides what every tensor-parallel rank must do alike (lookups, admission,
                a record that failed while loading, a split request's scratch row); None on
                one rank.
+    make_room: frees at least n pool slots where it can (SGLang's prefix tree first, then
+               chunk nodes: the radix cache's eviction), for slots the executor takes of
+               its own; None: chunk nodes only.
     Worker side: ``forward`` runs on the scheduler's forward thread."""
 
     def __init__(
@@ -101,6 +104,7 @@ class ChunkExecutor:
         sync_deletions: Callable[[], object] | None = None,
         hidden: HiddenSpec | None = None,
         ranks: RankAgreement | None = None,
+        make_room: Callable[[int], int] | None = None,
     ) -> None:
         self.config = settings_config
         self.sync_deletions = sync_deletions
@@ -111,6 +115,7 @@ class ChunkExecutor:
         self.phases = phases
         self.admission = admission
         self.ranks = ranks if ranks is not None else RankAgreement()
+        room = make_room if make_room is not None else nodes.evict
         forwards = PhaseForwards(
             kv, phases, metrics, lower, feed_mode, feed_timeout_s, reduce, hidden
         )
@@ -124,7 +129,7 @@ class ChunkExecutor:
         signals = Signals(forwards)
         self.lookup = Lookup(nodes, forwards, self.promoter, self.ranks)
         self.assemble = Assemble(forwards)
-        self.phase1 = Phase1(settings_config, forwards, self.writer)
+        self.phase1 = Phase1(settings_config, forwards, self.writer, room)
         self.signals = signals
         self.select = Select(forwards, signals, ratios, merge_gap)
         self.phase2 = Phase2(forwards)
@@ -136,7 +141,7 @@ class ChunkExecutor:
             phases.scratch_rows,
             phases.free_rows,
             nodes.allocator,
-            nodes.evict,
+            room,
             kv,
         )
         self.split = SplitRequests(plans, self.ranks, metrics)

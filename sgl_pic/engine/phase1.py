@@ -85,10 +85,18 @@ class Phase1:
     re-rotated to the chunk's position), new chunk nodes and host-tier records of them,
     each plan's rankings of its misses and its stats (misses, encoded tokens)."""
 
-    def __init__(self, config: PicConfig, forwards: PhaseForwards, writer: NodeWriter) -> None:
+    def __init__(
+        self,
+        config: PicConfig,
+        forwards: PhaseForwards,
+        writer: NodeWriter,
+        make_room: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = config
         self.forwards = forwards
         self.writer = writer
+        # Frees pool slots for a cut chunk's own (the radix cache's eviction).
+        self.make_room = make_room if make_room is not None else writer.nodes.evict
 
     def run(self, plans: Plans, ctx: BatchContext) -> None:
         misses = [(plan, s, e) for plan in plans.values() for s, e in plan.misses]
@@ -120,12 +128,12 @@ class Phase1:
                 self.writer.nodes.allocator.free(slots)
 
     def _temp_slots(self, n: int) -> torch.Tensor:
-        """# [m >= n] slots (whole pages) from SGLang's allocator, chunk nodes evicted for
-        them if need be; ``NoScratchRows`` when there are none (the batch runs exact)."""
+        """# [m >= n] slots (whole pages) from SGLang's allocator, evicted for (``make_room``)
+        if need be; ``NoScratchRows`` when there are none (the batch runs exact)."""
         nodes = self.writer.nodes
         need = -(-n // nodes.page_size) * nodes.page_size
         slots = nodes.allocator.alloc(need)
-        if slots is None and nodes.evict(need) > 0:
+        if slots is None and self.make_room(need) > 0:
             slots = nodes.allocator.alloc(need)
         if slots is None:
             raise NoScratchRows("no free slots to encode a chunk the device prefix cuts")

@@ -79,8 +79,9 @@ class PiecePlans:
     take_rows / free_rows: rows of that table (``PhaseRunner.scratch_rows``/``free_rows``).
     allocator: SGLang's token-to-KV allocator (``alloc(n)`` -> # [n] slots or None,
                ``free(slots)``, ``page_size``).
-    make_room(n): frees at least ``n`` slots of unlocked chunk nodes where it can (their
-               eviction), tried once when the allocator is short.
+    make_room(n): frees at least ``n`` pool slots where it can (the radix cache's eviction:
+               SGLang's prefix tree, then unlocked chunk nodes), tried once when the
+               allocator is short.
     kv:        copies a piece's KV from the scratch row into the request's slots.
     Worker side, on the forward thread; ``drop`` also from the scheduler side when SGLang
     ends a request (the same thread on a CPU; SGLang's overlap scheduler never ends a
