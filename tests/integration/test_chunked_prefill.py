@@ -26,6 +26,10 @@ NAMES = ["A", "B", "C", "D", "E"]
 # (``binding.cost_adder`` takes a request whole where its planned cost fits).
 PIECES = [24, random.Random(45).randrange(17, 24)]
 TOP = 10
+IBIS = (
+    "Ibis field notes, copied in full from the survey ledger kept at the northern marsh "
+    "station during the long wet season of that year.\n"
+)
 STEPS = [
     # (order, question, header, per-request config): a cold request first (every chunk a
     # miss, encoded in whichever piece it lies), then reordered warm ones per policy.
@@ -33,7 +37,9 @@ STEPS = [
     (NAMES[2:] + NAMES[:2], "Which city is on the equator?", "Owl.\n", {}),
     (NAMES[::-1], "Where do rivers meet?", "Crane notes.\n", {"policy": "cacheblend"}),
     (NAMES[1:] + NAMES[:1], "Which port has funiculars?", "Heron.\n", {"policy": "epic"}),
-    (NAMES[3:] + NAMES[:3], "Where is the midnight sun?", "Ibis.\n", {"policy": "full_reuse"}),
+    # A long fresh header: full reuse computes only fresh text, and this keeps its planned
+    # cost above a piece, so that SGLang cuts it (the oracle test below).
+    (NAMES[3:] + NAMES[:3], "Where is the midnight sun?", IBIS, {"policy": "full_reuse"}),
     (NAMES[::2] + NAMES[1::2], "Which capital had temples?", "Kite.\n", {"policy": "cachetune"}),
 ]
 
