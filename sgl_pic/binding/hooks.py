@@ -89,9 +89,9 @@ class PrefillAdderFactory:
     """Scheduler side. ``hook`` is the AROUND hook on ``Scheduler.get_prefill_adder_class``
     (the registry holds the instance): with reuse on in this process, the scheduler builds
     the adder that charges chunked requests their planned cost
-    (``cost_adder.PlannedCostAdder``), else SGLang's. It keeps the runtime's
-    ``PlannedCharges`` from pass to pass, so what an estimate computes of a waiting request
-    is not computed again at every pass."""
+    (``cost_adder.PlannedCostAdder``), else (and with tensor parallelism) SGLang's. It
+    keeps the runtime's ``PlannedCharges`` from pass to pass, so what an estimate computes
+    of a waiting request is not computed again at every pass."""
 
     def __init__(self) -> None:
         self._runtime: Any = None
@@ -101,7 +101,9 @@ class PrefillAdderFactory:
         """Scheduler side, once per prefill batch SGLang forms: the adder to form it with."""
         base = original(scheduler, *a, **kw)
         runtime = current()
-        if runtime is None or runtime.executor is None:
+        if runtime is None or runtime.executor is None or runtime.executor.ranks.shared:
+            # With tensor parallelism each rank's estimate reads its own tiers, which may
+            # differ; SGLang's schedulers must form the same batches on every rank.
             return base
         from sgl_pic.binding.cost_adder import adder_factory, planned_charges
 

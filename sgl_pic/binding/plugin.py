@@ -182,7 +182,11 @@ def build_tree_cache(ctx: Any) -> Any:
         sync_deletions=deleter.sync if lower is not None else None,
         hidden=HiddenSpec(int(hf.hidden_size), runner.dtype),
         ranks=RankAgreement(_tp_max if tp else None),
-        make_room=lambda n: int(cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted),
+        # SGLang's prefix tree is evicted from here on one rank only: with tensor
+        # parallelism, where every rank's tree must stay alike, chunk nodes alone.
+        make_room=None
+        if tp
+        else lambda n: int(cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted),
     )
     signer = MarkSigner(settings.secret) if settings.secret else None
     gate = AdmissionGate(

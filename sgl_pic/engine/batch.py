@@ -104,7 +104,8 @@ class BatchContext:
     rows:       the request-table row phase 2 runs each chunked request's runs over (a
                 planned-whole request's scratch row, ``pieces``).
     hidden:     the batch's hidden states # [n, hidden] (``Phase2`` writes).
-    feed_timed_out: whether a layer feed of this rank's phase 2 timed out (``Phase2``)."""
+    feed_timed_out: whether a layer feed of this rank's phase 2 timed out (``Phase2``).
+    feed_failed: whether a layer feed of this rank's phase 2 failed otherwise (``Phase2``)."""
 
     stack: Stack
     input_ids: torch.Tensor  # [n]
@@ -118,6 +119,7 @@ class BatchContext:
     rows: dict[int, int] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
     feed_timed_out: bool = False
+    feed_failed: bool = False
 
 
 class Step(Protocol):

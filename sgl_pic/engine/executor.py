@@ -129,7 +129,7 @@ class ChunkExecutor:
         signals = Signals(forwards)
         self.lookup = Lookup(nodes, forwards, self.promoter, self.ranks)
         self.assemble = Assemble(forwards)
-        self.phase1 = Phase1(settings_config, forwards, self.writer, room)
+        self.phase1 = Phase1(settings_config, forwards, self.writer, room, self.ranks)
         self.signals = signals
         self.select = Select(forwards, signals, ratios, merge_gap)
         self.phase2 = Phase2(forwards)
@@ -161,15 +161,17 @@ class ChunkExecutor:
             self.promoter.finish_ready()
         split = self.split
         specs, pieces = chunk_specs(live, handoff, self.config, self.metrics, split.plans)
-        specs = split.reserve(specs)
         if not specs and not pieces:
             return None
         if self.sync_deletions is not None:
             self.sync_deletions()
+        specs = split.reserve(specs)
         admission = BatchAdmission(self.admission)
-        ctx = BatchContext(stack, input_ids, live, admission)
-        split.later_pieces(pieces, ctx)
         try:
+            if not specs and not pieces:
+                return None
+            ctx = BatchContext(stack, input_ids, live, admission)
+            split.later_pieces(pieces, ctx)
             hidden = self._attempts(specs, ctx)
             self.export_sizes()
         except BaseException:
@@ -189,7 +191,7 @@ class ChunkExecutor:
         for attempt in range(2):
             plans: Plans = {b: spec.plan() for b, spec in specs.items()}
             ctx.copies = []
-            ctx.feed_timed_out = False
+            ctx.feed_timed_out = ctx.feed_failed = False
             ctx.runs = dict(carried)
             t0 = time.perf_counter()
             missed = loader.stats().misses if loader is not None else 0
@@ -208,9 +210,13 @@ class ChunkExecutor:
                 # and go on (``layer_feed``): the ranks agree on both here, after every
                 # forward of the attempt, in one collective.
                 bad = loader is not None and loader.stats().misses > missed
-                in_time, sound = self.ranks.all_of([not ctx.feed_timed_out, not bad])
+                in_time, loaded, sound = self.ranks.all_of(
+                    [not ctx.feed_timed_out, not ctx.feed_failed, not bad]
+                )
                 if not in_time:
                     raise FeedTimeout("a layer's reused KV was not loaded in time")
+                if not loaded:
+                    raise RuntimeError("a layer feed failed during phase 2")
                 if not sound:
                     raise MissingChunkError("a lower-tier record failed while loading")
                 with single_thread():

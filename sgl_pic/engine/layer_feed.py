@@ -220,6 +220,7 @@ class LayerFeed:
         self.tokens_moved = 0
         self.missing: list[str] = []
         self.timed_out = False  # a layer was not loaded in time (the rest were skipped)
+        self.failed = False  # the worker raised (the rest were skipped)
         self._loaded: dict[int, LoadedLayer] = {}
         self._ready = [threading.Event() for _ in range(num_layers)]
         self._consumed = threading.Semaphore(depth)
@@ -271,8 +272,8 @@ class LayerFeed:
         """Blocks until layer ``layer``'s reused KV is in the pool (writing it there)."""
         if layer != self._next:
             raise RuntimeError(f"feed expected layer {self._next}, the forward is at {layer}")
-        if self.timed_out:
-            self._next += 1  # nothing more is loaded: the batch is run again (``timed_out``)
+        if self.gave_up:
+            self._next += 1  # nothing more is loaded: the batch is given up (``gave_up``)
             return
         if self.mode == "inorder":
             loaded = self._load(layer)
@@ -289,7 +290,13 @@ class LayerFeed:
                 self._next += 1
                 return
             if self._error is not None:
-                raise self._error
+                # As a timeout: not raised mid-forward; the feed gives up and the executor
+                # agrees on it with the other ranks after the forward.
+                logger.warning("sgl_pic: the layer feed failed: %r", self._error)
+                self._stop.set()
+                self.failed = True
+                self._next += 1
+                return
             loaded = self._loaded.pop(layer)
             self._consumed.release()
             self._handoff.wait(layer)
@@ -300,6 +307,11 @@ class LayerFeed:
         self.bytes_dense += loaded.bytes_dense
         self.tokens_moved += int(loaded.positions.numel())
         self._next += 1
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether a layer timed out or the worker failed: nothing more is loaded."""
+        return self.timed_out or self.failed
 
     @property
     def done(self) -> bool:
@@ -339,6 +351,8 @@ def feed_every_layer(feed: LayerFeed) -> None:
             feed.before_layer(layer)
     finally:
         feed.close()
+    if feed.failed and feed._error is not None:
+        raise feed._error
     if feed.timed_out:
         raise FeedTimeout(f"a layer's reused KV was not loaded in {feed.timeout_s:g} s")
     if feed.missing:

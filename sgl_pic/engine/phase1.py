@@ -20,6 +20,7 @@ from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.forwards import PhaseForwards
 from sgl_pic.engine.kv_access import KVAccess, single_thread
 from sgl_pic.engine.planner import RequestPlan
+from sgl_pic.engine.rank_agreement import RankAgreement
 from sgl_pic.selection import cachetune_ranking
 
 # Scratch rows phase 1 takes from SGLang's request table at once; more misses run in
@@ -91,10 +92,12 @@ class Phase1:
         forwards: PhaseForwards,
         writer: NodeWriter,
         make_room: Callable[[int], int] | None = None,
+        ranks: RankAgreement | None = None,
     ) -> None:
         self.config = config
         self.forwards = forwards
         self.writer = writer
+        self.ranks = ranks if ranks is not None else RankAgreement()
         # Frees pool slots for a cut chunk's own (the radix cache's eviction).
         self.make_room = make_room if make_room is not None else writer.nodes.evict
 
@@ -107,12 +110,22 @@ class Phase1:
         where: list[torch.Tensor] = []
         temp: list[torch.Tensor] = []
         try:
+            short = False
             for plan, start, end in misses:
                 if start < plan.prefix:
-                    temp.append(self._temp_slots(end - start))
-                    where.append(temp[-1][: end - start])
+                    slots = self._temp_slots(end - start)
+                    short |= slots is None
+                    if slots is not None:
+                        temp.append(slots)
+                        where.append(slots[: end - start])
                 else:
                     where.append(self.forwards.slots(plan, start, end))
+            # The misses are the same on every tensor-parallel rank (``Lookup``), so is
+            # whether this collective runs; a rank short of slots sends all of them to
+            # exact prefill.
+            cut = any(start < plan.prefix for plan, start, _ in misses)
+            if cut and not self.ranks.all_of([not short])[0]:
+                raise NoScratchRows("no free slots to encode a chunk the device prefix cuts")
             self._encode(misses, where, ctx)
             for (plan, start, end), slots in zip(misses, where, strict=True):
                 ranking = self._store(plan, start, end, slots)
@@ -127,16 +140,14 @@ class Phase1:
             for slots in temp:
                 self.writer.nodes.allocator.free(slots)
 
-    def _temp_slots(self, n: int) -> torch.Tensor:
+    def _temp_slots(self, n: int) -> torch.Tensor | None:
         """# [m >= n] slots (whole pages) from SGLang's allocator, evicted for (``make_room``)
-        if need be; ``NoScratchRows`` when there are none (the batch runs exact)."""
+        if need be; None when there are none."""
         nodes = self.writer.nodes
         need = -(-n // nodes.page_size) * nodes.page_size
         slots = nodes.allocator.alloc(need)
         if slots is None and self.make_room(need) > 0:
             slots = nodes.allocator.alloc(need)
-        if slots is None:
-            raise NoScratchRows("no free slots to encode a chunk the device prefix cuts")
         return slots
 
     def _encode(self, misses: list[Miss], where: list[torch.Tensor], ctx: BatchContext) -> None:

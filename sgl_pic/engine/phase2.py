@@ -22,9 +22,9 @@ from sgl_pic.engine.layer_feed import LayerFeed
 class Phase2:
     """Reads: ``ctx.runs`` (``Select``, ``FirstPieces``; later prefill pieces' set by the
     executor) and ``ctx.rows``, each plan's selection and lower-tier hits, the live batch's
-    plain requests. Writes: ``ctx.feed_timed_out``, the recomputed positions' KV, the lower-tier
-    chunks' KV of the positions not recomputed, each plan's run count; ``ctx.hidden``
-    (# [n, hidden], the live batch's rows)."""
+    plain requests. Writes: ``ctx.feed_timed_out`` and ``ctx.feed_failed``, the
+    recomputed positions' KV, the lower-tier chunks' KV of the positions not recomputed,
+    each plan's run count; ``ctx.hidden`` (# [n, hidden], the live batch's rows)."""
 
     def __init__(self, forwards: PhaseForwards) -> None:
         self.forwards = forwards
@@ -82,6 +82,7 @@ class Phase2:
                 raise RuntimeError("phase 2 ended before every layer's reused KV was loaded")
             fw.count_loaded(feed)
         ctx.feed_timed_out = any(feed.timed_out for feed in feeds)
+        ctx.feed_failed = any(feed.failed for feed in feeds)
         hidden = out.new_zeros((input_ids.shape[0], out.shape[-1]))
         hidden[take] = out
         ctx.hidden = hidden

@@ -66,10 +66,16 @@ class SplitRequests:
 
     def later_pieces(self, pieces: dict[int, PieceSpec], ctx: BatchContext) -> None:
         """Each later piece's share of its carried runs, over its scratch row, into
-        ``ctx.runs`` and ``ctx.rows`` (phase 2 reads them)."""
+        ``ctx.runs`` and ``ctx.rows`` (phase 2 reads them); the scratch row's positions
+        before the piece are pointed at the request's own slots again."""
+        table = self.plans.req_to_token
         for b, piece in pieces.items():
             ctx.runs[b] = clip(piece.carried.runs, piece.start, piece.end)
             ctx.rows[b] = piece.carried.row
+            # The request's own row is the truth for what lies before this piece: between
+            # pieces SGLang inserts the request's KV into its prefix tree, where a copy
+            # already held replaces (and frees) the request's own slots.
+            table[piece.carried.row, : piece.start] = table[piece.live_row, : piece.start]
 
     def commit(
         self, specs: dict[int, ChunkSpec], pieces: dict[int, PieceSpec], ctx: BatchContext

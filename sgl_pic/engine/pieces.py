@@ -124,8 +124,12 @@ class PiecePlans:
     def reserve(self, live_row: int, first_end: int, num_tokens: int) -> Reservation | None:
         """A scratch row for a request whose first piece ends at ``first_end`` of its
         ``num_tokens``: its own slots up to ``first_end`` (from ``live_row``), new slots
-        past it. None when SGLang has no free row or slots (the piece then runs as SGLang
-        would)."""
+        past it. None when SGLang has no free row or slots, or the piece does not end on a
+        page boundary (the piece then runs as SGLang would)."""
+        if first_end % self.page_size:
+            # Scratch slots start a page of their own: a paged backend would read the
+            # first piece's partial page through them.
+            return None
         need = -(-(num_tokens - first_end) // self.page_size) * self.page_size
         rows = self.take_rows(1)
         if not rows:

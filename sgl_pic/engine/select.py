@@ -75,11 +75,17 @@ def fit_runs(
     merge_gap: int,
     metrics: PicMetrics,
 ) -> None:
-    """Merges runs across growing gaps until the phase batch (``plain`` requests besides
-    the runs) fits ``cap`` sub-requests (``PhaseRunner.max_subrequests``; None: no limit);
-    merged gaps are recomputed too, and the plans' selections and stats say so."""
+    """Merges runs across growing gaps until the phase batch (``plain`` sub-requests
+    besides the runs) fits ``cap`` sub-requests (``PhaseRunner.max_subrequests``; None: no
+    limit); merged gaps are recomputed too, and the plans' selections and stats say so.
+    Raises when every plan is down to one run and the batch still does not fit."""
     gap = max(merge_gap, 1)
     while cap is not None and plain + sum(len(r) for r in runs.values()) > cap:
+        if all(len(runs[b]) <= 1 for b in plans):
+            # Nothing left to merge (the rest are plain requests and later prefill pieces):
+            # the batch runs as SGLang would. A decision on the batch's shape alone, so
+            # every tensor-parallel rank takes it alike.
+            raise RuntimeError("the phase batch has more sub-requests than the backend plans")
         for b, plan in plans.items():
             assert plan.selected is not None
             runs[b] = runs_of(plan.selected, gap)

@@ -51,6 +51,7 @@ from sgl_pic.binding.runtime import set_current
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.planned_cost import PlannedCost, TierPresence
+from sgl_pic.engine.rank_agreement import RankAgreement
 from sgl_pic.http.spans import PicRequest
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
@@ -375,6 +376,12 @@ def test_the_hook_hands_sglang_the_planned_adder_only_where_reuse_is_on(env: Env
             1, env.cache, env.alloc, None, 0.5, 64, 64
         )
         assert other.planned is not adder.planned
+        # With tensor parallelism each rank's estimate reads its own tiers: SGLang's adder,
+        # so that every rank's scheduler forms the same batches.
+        shared = Executor(env)
+        shared.ranks = RankAgreement(lambda t: t)
+        set_current(SimpleNamespace(executor=shared, marks=env.marks))  # type: ignore[arg-type]
+        assert factory.hook(original, SimpleNamespace()) is PrefillAdder
     finally:
         set_current(previous)
 
@@ -401,6 +408,7 @@ class Executor:
         self.kv = SimpleNamespace(num_layers=LAYERS)
         self.select = SimpleNamespace(ratios=None)
         self.config = SERVER
+        self.ranks = RankAgreement()  # one rank
 
 
 def test_planned_charges_read_a_real_executor(tmp_path: Path) -> None:

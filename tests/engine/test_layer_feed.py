@@ -616,3 +616,35 @@ def test_feed_every_layer_raises_feed_timeout_once_every_layer_was_asked(setup) 
         feed_every_layer(feed)
     assert feed.timed_out and feed.done
     loader.release.set()
+
+
+class FailingLoader(SparseLoader):
+    """Fetches normally, except layer 1, whose read raises (not a missing record)."""
+
+    def __init__(self, store: TieredStore) -> None:
+        super().__init__(store, INV_FREQ, LoaderConfig())
+
+    def fetch_layer(self, chunks, layer: int) -> FetchedLayer:  # noqa: ANN001
+        if layer == 1:
+            raise MemoryError("staging buffer")
+        return super().fetch_layer(chunks, layer)
+
+
+def test_a_worker_error_is_not_raised_mid_forward_the_feed_gives_up(setup) -> None:
+    """Another tensor-parallel rank is in the forward's collectives: the feed marks itself
+    failed and skips the remaining layers; the executor agrees on it after phase 2.
+    Outside a forward (``feed_every_layer``) the error is raised once every layer was
+    asked for."""
+    pool = FakePool(POOL, LAYERS, HEADS, DIM)
+    kv = KVAccess(pool, LAYERS, ROPE)
+    feed = LayerFeed(FailingLoader(setup.store), setup.placements, setup.slots, kv, LAYERS)
+    feed.start()
+    try:
+        for layer in range(LAYERS):
+            feed.before_layer(layer)
+    finally:
+        feed.close()
+    assert feed.failed and feed.gave_up and feed.done and not feed.timed_out
+    again = LayerFeed(FailingLoader(setup.store), setup.placements, setup.slots, kv, LAYERS)
+    with pytest.raises(MemoryError, match="staging"):
+        feed_every_layer(again)

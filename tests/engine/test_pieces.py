@@ -78,6 +78,39 @@ def test_scratch_is_whole_pages() -> None:
     assert allocator.alloc_sizes[-1] == 12
 
 
+def test_a_first_piece_off_a_page_boundary_is_not_reserved() -> None:
+    # Scratch slots start a page of their own; a piece ending mid-page would have a paged
+    # backend read its partial page through them.
+    plans, allocator, *_ = _pieces(pages=10, page_size=4)
+    assert plans.reserve(0, 6, 18) is None
+    assert allocator.alloc_sizes == [] and plans.held_tokens == 0
+
+
+def test_a_later_piece_points_the_scratch_row_at_the_requests_own_slots_again() -> None:
+    # Between pieces SGLang inserts the request's KV into its prefix tree; where the tree
+    # held a copy it frees the request's slots and points its row at the copy's.
+    from types import SimpleNamespace
+
+    from sgl_pic.engine.batch import BatchContext, PieceSpec
+    from sgl_pic.engine.piece_steps import SplitRequests
+    from sgl_pic.engine.rank_agreement import RankAgreement
+
+    plans, allocator, table, *_ = _pieces()
+    own = allocator.alloc(8)
+    assert own is not None
+    table[0, :8] = own.to(torch.int32)
+    res = plans.reserve(0, 8, 20)
+    assert res is not None
+    plans.keep("r", res, [Run(9, 12)])
+    table[0, :4] = torch.tensor([30, 31, 32, 33], dtype=torch.int32)  # the tree's copy
+    piece = PieceSpec("r", 0, 0, 8, 14, plans.get("r"))
+    ctx = BatchContext(None, torch.zeros(6), SimpleNamespace(rids=["r"]), None)  # type: ignore[arg-type]
+    SplitRequests(plans, RankAgreement(), SimpleNamespace()).later_pieces({0: piece}, ctx)  # type: ignore[arg-type]
+    assert table[res.row, :8].tolist() == table[0, :8].tolist()
+    assert table[res.row, 8:20].tolist() == res.scratch[:12].tolist()  # its own past there
+    assert ctx.runs[0] == [Run(9, 12)] and ctx.rows[0] == res.row
+
+
 def test_no_row_or_no_slots_reserves_nothing_and_leaks_nothing() -> None:
     plans, allocator, _, _, rows, evicted = _pieces(pages=8, rows=1)
     assert plans.reserve(0, 4, 20) is None  # 16 slots wanted, 8 free, eviction freed none

@@ -190,6 +190,24 @@ def test_runs_are_merged_until_the_phase_batch_fits() -> None:
     assert plan.stats is not None and plan.stats.recomputed_tokens == 10
 
 
+def test_a_batch_that_cannot_fit_once_every_plan_is_one_run_is_refused() -> None:
+    # Plain requests and later prefill pieces cannot be merged: past one run per plan the
+    # batch runs as SGLang would (raised), instead of merging forever.
+    from types import SimpleNamespace
+
+    from sgl_pic.engine.select import fit_runs
+
+    metrics = SimpleNamespace(run_merges=SimpleNamespace(inc=lambda: None))
+    plan = _plan(spans=[[0, 8], [8, 16]], n=20, policy="epic")
+    planner.classify(plan, lambda s, e: ChunkLookup("device", None))
+    plan.selected = torch.tensor([1, 3, 19])
+    runs = {0: runs_of(plan.selected)}
+    with pytest.raises(RuntimeError, match="sub-requests"):
+        fit_runs(runs, {0: plan}, plain=4, cap=4, merge_gap=0, metrics=metrics)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="sub-requests"):
+        fit_runs({}, {}, plain=5, cap=4, merge_gap=0, metrics=metrics)  # type: ignore[arg-type]
+
+
 def test_a_deferred_miss_is_fresh_text_computed_whole() -> None:
     # Chunks [0,4) [4,8) [8,12); [4,8) missed and store admission deferred it: it is not
     # for phase 1, it is forced whole, and selection sees it as fresh text.

@@ -2,7 +2,8 @@
 at its first prefill piece, over its whole prompt, and each piece runs its share
 (``sgl_pic.engine.pieces``). Where SGLang cuts must not matter: the same request sequence
 through servers that cut at different piece sizes gives the unsplit server's tokens, first
--token distribution and recomputed set, request by request."""
+-token distribution and recomputed set, request by request; and a split full-reuse
+request is the oracle's reuse of its whole prompt."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ NAMES = ["A", "B", "C", "D", "E"]
 # (``binding.cost_adder`` takes a request whole where its planned cost fits).
 PIECES = [24, random.Random(45).randrange(17, 24)]
 TOP = 10
+IBIS = (
+    "Ibis field notes, copied in full from the survey ledger kept at the northern marsh "
+    "station during the long wet season of that year.\n"
+)
 STEPS = [
     # (order, question, header, per-request config): a cold request first (every chunk a
     # miss, encoded in whichever piece it lies), then reordered warm ones per policy.
@@ -32,7 +37,9 @@ STEPS = [
     (NAMES[2:] + NAMES[:2], "Which city is on the equator?", "Owl.\n", {}),
     (NAMES[::-1], "Where do rivers meet?", "Crane notes.\n", {"policy": "cacheblend"}),
     (NAMES[1:] + NAMES[:1], "Which port has funiculars?", "Heron.\n", {"policy": "epic"}),
-    (NAMES[3:] + NAMES[:3], "Where is the midnight sun?", "Ibis.\n", {"policy": "full_reuse"}),
+    # A long fresh header: full reuse computes only fresh text, and this keeps its planned
+    # cost above a piece, so that SGLang cuts it (the oracle test below).
+    (NAMES[3:] + NAMES[:3], "Where is the midnight sun?", IBIS, {"policy": "full_reuse"}),
     (NAMES[::2] + NAMES[1::2], "Which capital had temples?", "Kite.\n", {"policy": "cachetune"}),
 ]
 
@@ -123,3 +130,35 @@ def test_where_sglang_cuts_changes_nothing(
         worst = max(abs(cut.top[t] - whole.top[t]) for t in whole.top)
         assert worst < 1e-3, (where, worst)
     assert sum(o.split for o in outcomes) >= len(outcomes) - 2, outcomes
+
+
+def test_a_split_request_is_the_oracles_reuse_of_its_whole_prompt(
+    split: tuple[int, list[Outcome]],
+) -> None:
+    """The full-reuse step, cut into pieces, against the plain-torch oracle's reuse of the
+    whole prompt (each chunk's independent KV at its place, fresh text computed over it)."""
+    import torch
+
+    from sgl_pic.config import PicConfig
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.model.embedded import ensure_embedded_model
+    from sgl_pic.oracle import Oracle
+    from sgl_pic.selection import make_policy
+
+    piece, outcomes = split
+    step = next(i for i, s in enumerate(STEPS) if s[3] == {"policy": "full_reuse"})
+    names, question, header, _ = STEPS[step]
+    toks, spans = chunked(names, question, header=header)
+    got = outcomes[step]
+    assert got.split == 1 and got.extend == len(toks) > 2 * piece
+    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
+    t = torch.tensor(toks)
+    layout = PromptLayout.from_spans(len(toks), spans)
+    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
+    policy = make_policy(PicConfig(policy="full_reuse"))
+    ref = torch.log_softmax(oracle.reuse(t, layout, chunks, policy).logits.double(), -1)
+    full = torch.log_softmax(oracle.prefill(t).logits.double(), -1)
+    for token_id, logprob in got.top.items():
+        assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob)
+    # The comparison can tell reuse from full prefill apart on this prompt.
+    assert max(abs(float(full[t]) - float(ref[t])) for t in got.top) > 1e-3
