@@ -137,13 +137,7 @@ def test_a_split_request_is_the_oracles_reuse_of_its_whole_prompt(
 ) -> None:
     """The full-reuse step, cut into pieces, against the plain-torch oracle's reuse of the
     whole prompt (each chunk's independent KV at its place, fresh text computed over it)."""
-    import torch
-
-    from sgl_pic.config import PicConfig
-    from sgl_pic.layout import PromptLayout
-    from sgl_pic.model.embedded import ensure_embedded_model
-    from sgl_pic.oracle import Oracle
-    from sgl_pic.selection import make_policy
+    from tests.support.oracle_refs import full_reuse_reference
 
     piece, outcomes = split
     step = next(i for i, s in enumerate(STEPS) if s[3] == {"policy": "full_reuse"})
@@ -151,13 +145,7 @@ def test_a_split_request_is_the_oracles_reuse_of_its_whole_prompt(
     toks, spans = chunked(names, question, header=header)
     got = outcomes[step]
     assert got.split == 1 and got.extend == len(toks) > 2 * piece
-    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
-    t = torch.tensor(toks)
-    layout = PromptLayout.from_spans(len(toks), spans)
-    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
-    policy = make_policy(PicConfig(policy="full_reuse"))
-    ref = torch.log_softmax(oracle.reuse(t, layout, chunks, policy).logits.double(), -1)
-    full = torch.log_softmax(oracle.prefill(t).logits.double(), -1)
+    ref, full = full_reuse_reference(toks, spans)
     for token_id, logprob in got.top.items():
         assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob)
     # The comparison can tell reuse from full prefill apart on this prompt.

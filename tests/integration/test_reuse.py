@@ -61,11 +61,7 @@ def test_daric_example_reuses_chunk_after_a_miss(server: Server) -> None:
 
 
 def test_last_token_logits_match_oracle(server: Server) -> None:
-    from sgl_pic.config import PicConfig
-    from sgl_pic.layout import PromptLayout
-    from sgl_pic.model.embedded import ensure_embedded_model
-    from sgl_pic.oracle import Oracle
-    from sgl_pic.selection import make_policy
+    from tests.support.oracle_refs import full_reuse_reference
 
     # A header no other prompt starts with, so nothing of it is device prefix.
     toks, spans = chunked(["E", "C", "B"], "Which port has funiculars?", header="Zebra note.\n")
@@ -76,13 +72,7 @@ def test_last_token_logits_match_oracle(server: Server) -> None:
     assert d["sgl_pic_failures_total"] == 0
     top = out["meta_info"]["output_top_logprobs"][0]  # [[logprob, token_id, text], ...]
 
-    oracle = Oracle.from_pretrained(ensure_embedded_model().path)
-    t = torch.tensor(toks)
-    layout = PromptLayout.from_spans(len(toks), spans)
-    chunks = [oracle.encode_chunk(t[s:e]) for s, e in spans]
-    policy = make_policy(PicConfig(policy="full_reuse"))
-    ref = torch.log_softmax(oracle.reuse(t, layout, chunks, policy).logits.double(), -1)
-    full = torch.log_softmax(oracle.prefill(t).logits.double(), -1)
+    ref, full = full_reuse_reference(toks, spans)
     for logprob, token_id, _ in top:
         assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
     # The comparison can tell reuse from full prefill apart on this prompt.
