@@ -29,13 +29,11 @@ SESSION_KEYS = (
 def offline_recompute(layout: PromptLayout, prefix: int, config: PicConfig) -> torch.Tensor:
     """The positions the executor recomputes for ``layout`` with device prefix ``prefix``
     (# [k] int64): the policy's selection, finalized (fresh and last tokens added, the
-    prefix dropped), plus the new part of any chunk straddling the prefix (executor
-    ``_assemble``: it has no independent KV to borrow), restricted to positions >= prefix
-    (``_select``)."""
+    prefix dropped). A chunk the prefix ends inside is reused past it like any chunk (from
+    a stored copy, or encoded whole when missed: the test servers store every miss,
+    ``--pic-admission always``), so nothing of it is forced."""
     from sgl_pic.selection import SelectionContext, finalize, make_policy
 
     ctx = SelectionContext(layout, rankings=None, deviation=None, prefix_hit=prefix)
-    chosen = finalize(make_policy(config).select(ctx), layout, prefix).indices
-    forced = [torch.arange(prefix, s.end) for s in layout.chunks if s.start < prefix < s.end]
-    sel = torch.unique(torch.cat([chosen, *forced]))
+    sel = finalize(make_policy(config).select(ctx), layout, prefix).indices
     return sel[sel >= prefix]
