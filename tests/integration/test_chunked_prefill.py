@@ -1,7 +1,7 @@
 """Prompts longer than SGLang's --chunked-prefill-size: a chunked request is planned once,
 at its first prefill piece, over its whole prompt, and each piece runs its share
 (``sgl_pic.engine.pieces``). Where SGLang cuts must not matter: the same request sequence
-through servers that cut at different piece sizes gives the unsplit server's tokens, first
+through a server that cuts into small pieces gives the unsplit server's tokens, first
 -token distribution and recomputed set, request by request; and a split full-reuse
 request is the oracle's reuse of its whole prompt."""
 
@@ -19,12 +19,12 @@ from tests.support.server import Server, launch
 pytestmark = pytest.mark.sglang
 
 NAMES = ["A", "B", "C", "D", "E"]
-# Piece sizes the split servers cut at: a small one (several pieces per prompt) and one
-# drawn at random (seeded, so a failure reproduces), so that cuts fall inside chunks, on
-# their edges and in the question in one run or another. Both below what a warm request's
+# The piece size the split server cuts at, drawn at random (seeded, so a failure
+# reproduces; several pieces per prompt, so that over prompts of different lengths cuts
+# fall inside chunks, on their edges and in the question). Below what a warm request's
 # planned cost takes from the budget, so that SGLang cuts warm requests too
 # (``binding.cost_adder`` takes a request whole where its planned cost fits).
-PIECES = [24, random.Random(45).randrange(17, 24)]
+PIECES = [random.Random(45).randrange(17, 24)]
 TOP = 10
 IBIS = (
     "Ibis field notes, copied in full from the survey ledger kept at the northern marsh "
