@@ -132,10 +132,14 @@ class AtExit:
 
 
 @pytest.fixture
-def at_exit(monkeypatch: pytest.MonkeyPatch) -> AtExit:
+def at_exit(monkeypatch: pytest.MonkeyPatch) -> Iterator[AtExit]:
     fake = AtExit()
     monkeypatch.setattr(lifecycle, "atexit", fake)
-    return fake
+    # A shell starting the suite in the background leaves SIGINT ignored, which the hook
+    # rightly leaves alone; these tests install over Python's own handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield fake
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_install_and_uninstall_restore_the_process_state(lower, at_exit) -> None:
@@ -213,7 +217,14 @@ def run_child(
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom), "PYTHONPATH": str(REPO)}
     args = [sys.executable, "-c", CHILD, str(root), mode, str(n), str(delay), str(timeout_s)]
     proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        args,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # The child gets SIGINT's default, not an ignore inherited from a background shell.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     ready = proc.stdout.readline()
