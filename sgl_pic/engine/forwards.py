@@ -116,6 +116,16 @@ class PhaseForwards:
             feed.close()
         self.count_loaded(feed)
 
+    def load_whole(self, plan: RequestPlan) -> None:
+        """Loads the plan's lower-tier chunks whole (every layer) and moves them from
+        ``plan.lower`` to ``plan.loaded_whole``: phase 2 feeds nothing more of them, and
+        they are still promoted after the batch."""
+        if not plan.lower:
+            return
+        self.load_layers(plan, self.kv.num_layers)
+        plan.loaded_whole.extend(plan.lower)
+        plan.lower.clear()
+
     def count_loaded(self, feed: LayerFeed) -> None:
         self.metrics.bytes_loaded.inc(feed.bytes_moved)
         self.metrics.bytes_dense.inc(feed.bytes_dense)

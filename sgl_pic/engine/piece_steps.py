@@ -119,10 +119,7 @@ class FirstPieces:
             if not plan.first_piece:
                 continue
             assert plan.piece_end is not None
-            if plan.lower:
-                fw.load_layers(plan, fw.kv.num_layers)
-                plan.loaded_whole.extend(plan.lower)
-                plan.lower.clear()
+            fw.load_whole(plan)
             ctx.full_runs[b] = ctx.runs[b]
             ctx.runs[b] = clip(ctx.runs[b], plan.prefix, plan.piece_end)
             ctx.rows[b] = plan.pool_idx

@@ -103,10 +103,7 @@ class Signals:
         first, so lower-tier chunks are loaded whole here (CacheBlend compares against all
         of them); they are still promoted after the batch."""
         fw = self.forwards
-        if plan.lower:
-            fw.load_layers(plan, fw.kv.num_layers)
-            plan.loaded_whole.extend(plan.lower)
-            plan.lower.clear()
+        fw.load_whole(plan)
         toks = plan.pending.token_ids
         n, p = len(toks), plan.prefix
         probe = DeviationProbe(fw.kv.pool, fw.slots(plan, p), reduce=fw.reduce)
