@@ -23,7 +23,7 @@ another's nodes while it has nodes of its own to give up.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -344,3 +344,16 @@ class ChunkNodeTable:
         self._locked = 0
         self.eviction.reset()
         self.generation += 1
+
+
+def take_slots(allocator: Any, n: int, make_room: Callable[[int], int]) -> torch.Tensor | None:
+    """# [m] slots from SGLang's token-to-KV allocator, m = ``n`` rounded up to whole pages;
+    when it is short, ``make_room(m)`` frees what it can and the allocator is asked once
+    more. None when there are none. For slots the engine holds outside the chunk nodes (a
+    split request's scratch, a cut chunk's encoding)."""
+    page = int(getattr(allocator, "page_size", 1) or 1)
+    need = -(-n // page) * page
+    slots = allocator.alloc(need)
+    if slots is None and make_room(need) > 0:
+        slots = allocator.alloc(need)
+    return slots

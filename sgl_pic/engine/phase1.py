@@ -16,7 +16,7 @@ import torch
 from sgl_pic.binding.phases import SubRequest
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.batch import BatchContext, Plans
-from sgl_pic.engine.chunk_nodes import ChunkNodeTable
+from sgl_pic.engine.chunk_nodes import ChunkNodeTable, take_slots
 from sgl_pic.engine.forwards import PhaseForwards
 from sgl_pic.engine.kv_access import KVAccess, single_thread
 from sgl_pic.engine.planner import RequestPlan
@@ -113,7 +113,7 @@ class Phase1:
             short = False
             for plan, start, end in misses:
                 if start < plan.prefix:
-                    slots = self._temp_slots(end - start)
+                    slots = take_slots(self.writer.nodes.allocator, end - start, self.make_room)
                     short |= slots is None
                     if slots is not None:
                         temp.append(slots)
@@ -139,16 +139,6 @@ class Phase1:
         finally:
             for slots in temp:
                 self.writer.nodes.allocator.free(slots)
-
-    def _temp_slots(self, n: int) -> torch.Tensor | None:
-        """# [m >= n] slots (whole pages) from SGLang's allocator, evicted for (``make_room``)
-        if need be; None when there are none."""
-        nodes = self.writer.nodes
-        need = -(-n // nodes.page_size) * nodes.page_size
-        slots = nodes.allocator.alloc(need)
-        if slots is None and self.make_room(need) > 0:
-            slots = nodes.allocator.alloc(need)
-        return slots
 
     def _encode(self, misses: list[Miss], where: list[torch.Tensor], ctx: BatchContext) -> None:
         """The phase-1 forwards: every miss from position 0 on a scratch row of its own,

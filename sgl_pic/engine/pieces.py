@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_pic.binding.phases import Run
+from sgl_pic.engine.chunk_nodes import take_slots
 from sgl_pic.engine.kv_access import KVAccess
 
 logger = logging.getLogger(__name__)
@@ -130,13 +131,10 @@ class PiecePlans:
             # Scratch slots start a page of their own: a paged backend would read the
             # first piece's partial page through them.
             return None
-        need = -(-(num_tokens - first_end) // self.page_size) * self.page_size
         rows = self.take_rows(1)
         if not rows:
             return None
-        slots = self.allocator.alloc(need)
-        if slots is None and self.make_room(need) > 0:
-            slots = self.allocator.alloc(need)
+        slots = take_slots(self.allocator, num_tokens - first_end, self.make_room)
         if slots is None:
             self.free_rows(rows)
             return None
