@@ -166,10 +166,10 @@ class ChunkExecutor:
         if self.sync_deletions is not None:
             self.sync_deletions()
         specs = split.reserve(specs)
+        if not specs and not pieces:
+            return None  # every first piece went without a reservation: none is held
         admission = BatchAdmission(self.admission)
         try:
-            if not specs and not pieces:
-                return None
             ctx = BatchContext(stack, input_ids, live, admission)
             split.later_pieces(pieces, ctx)
             hidden = self._attempts(specs, ctx)
