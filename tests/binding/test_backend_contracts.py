@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import json
 import sys
 import types
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 
 from sgl_pic.binding.phases import PhaseRunner, SubRequest, extend_backend
 from tests.support.fakes import FakeAllocator, FakeModelRunner, FakePool
+from tests.support.sglang_cache import published_server_args
 
 HEADS, KV_HEADS, DIM, LAYERS, SLOTS = 4, 2, 16, 2, 256
 CONFIG = {
@@ -69,16 +69,8 @@ CONFIG = {
 def server_args(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """SGLang's ServerArgs for a tiny Llama, published as this process's config (what the
     backends read through ``get_exec()`` and friends); unpublished afterwards."""
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    root = tmp_path_factory.mktemp("model")
-    (root / "config.json").write_text(json.dumps(CONFIG))
-    args = ServerArgs(model_path=str(root), device="cpu")
-    reset_context()
-    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    yield args
-    reset_context()
+    with published_server_args(tmp_path_factory.mktemp("model"), CONFIG) as args:
+        yield args
 
 
 # --- stand-ins for what needs a GPU ----------------------------------------------------

@@ -12,7 +12,6 @@ allocator. A chunked request's marks are admitted as the gate admits them
 from __future__ import annotations
 
 import inspect
-import json
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,14 +27,10 @@ from sgl_pic.binding.cpu_env import activate_cpu_stubs
 
 activate_cpu_stubs()
 
-import torch
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -55,6 +50,7 @@ from sgl_pic.engine.rank_agreement import RankAgreement
 from sgl_pic.http.spans import PicRequest
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
+from tests.support.sglang_cache import cache_params, kv_pool_and_allocator, published_server_args
 
 CONFIG = {
     "model_type": "llama",
@@ -79,16 +75,8 @@ SERVER = PicConfig(policy="cachetune", cachetune_r=0.1)
 def server_args(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """SGLang's ServerArgs for a tiny Llama, published as this process's config (what the
     adder reads through ``get_schedule()`` and ``get_exec()``); unpublished afterwards."""
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    root = tmp_path_factory.mktemp("model")
-    (root / "config.json").write_text(json.dumps(CONFIG))
-    args = ServerArgs(model_path=str(root), device="cpu")
-    reset_context()
-    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    yield args
-    reset_context()
+    with published_server_args(tmp_path_factory.mktemp("model"), CONFIG) as args:
+        yield args
 
 
 class Env:
@@ -96,26 +84,8 @@ class Env:
     nodes on the same allocator, the admitted marks, and the requests made so far."""
 
     def __init__(self) -> None:
-        pool = MHATokenToKVPool(
-            size=POOL,
-            page_size=1,
-            dtype=torch.float32,
-            head_num=2,
-            head_dim=4,
-            layer_num=2,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-        self.alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", pool, False)
-        self.cache = UnifiedRadixCache(
-            CacheInitParams(
-                disable=False,
-                req_to_token_pool=ReqToTokenPool(16, 4096, "cpu", False),
-                token_to_kv_pool_allocator=self.alloc,
-                page_size=1,
-                tree_components=(ComponentType.FULL,),
-            )
-        )
+        _, self.alloc = kv_pool_and_allocator(POOL)
+        self.cache = UnifiedRadixCache(cache_params(self.alloc, 1, 16, 4096))
         self.nodes = ChunkNodeTable(self.alloc, FP, 64, 4096)
         self.marks = AdmittedMarks()
         self.seed = 0

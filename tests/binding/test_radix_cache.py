@@ -22,23 +22,18 @@ from sgl_pic.binding.cpu_env import activate_cpu_stubs
 
 activate_cpu_stubs()  # sgl_kernel / torchvision stand-ins SGLang imports on the CPU
 
-import torch
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     InsertParams,
     MatchPrefixParams,
 )
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_pic.binding.radix_cache import ChunkRadixCache
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.keys import ModelFingerprint
+from tests.support.sglang_cache import cache_params, kv_pool_and_allocator
 
 FP = ModelFingerprint(model_id="test-model", dtype="float32")
 SEG = 4
@@ -59,30 +54,8 @@ def key(tokens: list[int]) -> RadixKey:
 class Env:
     def __init__(self, page_size: int, attach: bool = True) -> None:
         self.page_size = page_size
-        self.pool = MHATokenToKVPool(
-            size=SIZE,
-            page_size=page_size,
-            dtype=torch.float32,
-            head_num=2,
-            head_dim=4,
-            layer_num=2,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-        if page_size == 1:
-            self.alloc = TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", self.pool, False)
-        else:
-            self.alloc = PagedTokenToKVPoolAllocator(
-                SIZE, page_size, torch.float32, "cpu", self.pool, False
-            )
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=ReqToTokenPool(4, 128, "cpu", False),
-            token_to_kv_pool_allocator=self.alloc,
-            page_size=page_size,
-            tree_components=(ComponentType.FULL,),
-        )
-        self.cache = ChunkRadixCache(params)
+        self.pool, self.alloc = kv_pool_and_allocator(SIZE, page_size)
+        self.cache = ChunkRadixCache(cache_params(self.alloc, page_size, 4, 128))
         self.table = ChunkNodeTable(self.alloc, FP, SEG, capacity_tokens=64)
         if attach:
             self.cache.attach(self.table)
