@@ -47,6 +47,14 @@ def _pieces(pages: int = 40, page_size: int = 1, rows: int = 2):
     return plans, allocator, table, pool, free_rows, evicted
 
 
+def _own_slots(allocator: FakeAllocator, table: torch.Tensor, n: int) -> torch.Tensor:
+    """# [n] slots SGLang gave the request's first n positions (row 0)."""
+    own = allocator.alloc(n)
+    assert own is not None
+    table[0, :n] = own.to(torch.int32)
+    return own
+
+
 def test_clip_keeps_the_parts_of_runs_inside_a_piece() -> None:
     runs = [Run(0, 3), Run(5, 9), Run(12, 13)]
     assert clip(runs, 2, 6) == [Run(2, 3), Run(5, 6)]
@@ -56,9 +64,7 @@ def test_clip_keeps_the_parts_of_runs_inside_a_piece() -> None:
 
 def test_a_reservation_holds_the_requests_slots_then_scratch_past_its_first_piece() -> None:
     plans, allocator, table, _, rows, _ = _pieces()
-    own = allocator.alloc(10)
-    assert own is not None
-    table[0, :10] = own.to(torch.int32)
+    own = _own_slots(allocator, table, 10)
     res = plans.reserve(0, 10, 25)
     assert res is not None and res.row == 2 and rows.free == [3]
     assert table[res.row, :10].tolist() == own.tolist()
@@ -96,9 +102,7 @@ def test_a_later_piece_points_the_scratch_row_at_the_requests_own_slots_again() 
     from sgl_pic.engine.rank_agreement import RankAgreement
 
     plans, allocator, table, *_ = _pieces()
-    own = allocator.alloc(8)
-    assert own is not None
-    table[0, :8] = own.to(torch.int32)
+    _own_slots(allocator, table, 8)
     res = plans.reserve(0, 8, 20)
     assert res is not None
     plans.keep("r", res, [Run(9, 12)])
@@ -123,9 +127,7 @@ def test_no_row_or_no_slots_reserves_nothing_and_leaks_nothing() -> None:
 
 def test_a_carried_plan_copies_each_piece_into_the_requests_slots_and_ends_with_the_last() -> None:
     plans, allocator, table, pool, rows, _ = _pieces()
-    own = allocator.alloc(8)
-    assert own is not None
-    table[0, :8] = own.to(torch.int32)
+    own = _own_slots(allocator, table, 8)
     res = plans.reserve(0, 8, 20)
     assert res is not None
     plans.keep("r", res, [Run(3, 5), Run(18, 20)])
