@@ -58,6 +58,7 @@ from sgl_pic.fidelity import (  # noqa: E402
 )
 from sgl_pic.oracle import Oracle  # noqa: E402
 from sgl_pic.oracle.forward import KVCache  # noqa: E402
+from sgl_pic.oracle.oracle import ChunkKV  # noqa: E402
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 from sgl_pic.selection import (  # noqa: E402
     Selection,
@@ -72,12 +73,24 @@ from sgl_pic.selection.cacheblend import reused_candidates  # noqa: E402
 TARGET_BUDGET = 0.15  # issue #11's budget: the oracle selection is made at it
 
 
+# How the chunks' KV is encoded before reuse. "independent" is what the server stores;
+# the others are corrections studied here (issue #46), each a candidate for phase 1:
+# - "sink_prefix": each passage is encoded after the prompt's first token (the chat
+#   template's start token, the real attention sink at position 0), whose KV is dropped,
+#   so the passage's own first token is not encoded as a sink;
+# - "system_prefix": each passage is encoded after the whole system chunk (APE's shared
+#   prefix; the chunk's key would then name the system chunk too).
+ENCODINGS = ("independent", "sink_prefix", "system_prefix")
+SINK_PREFIX_TOKENS = 1
+
+
 @dataclass(frozen=True)
 class Variant:
     label: str
     policy: str
     overrides: tuple[tuple[str, Any], ...]
     is_default: bool
+    encoding: str = "independent"
 
 
 def variants(sweep: bool) -> list[Variant]:
@@ -107,7 +120,7 @@ def variants(sweep: bool) -> list[Variant]:
                 False,
             )
         )
-    for ratio in (0.1, 0.3):
+    for ratio in (0.05, 0.1, 0.3):
         out.append(
             Variant(
                 f"query_aware {ratio:.0%} L{d.qa_layers}",
@@ -116,7 +129,56 @@ def variants(sweep: bool) -> list[Variant]:
                 False,
             )
         )
+    # Corrections beyond selection (issue #46): more of each chunk's first tokens, and
+    # the passages encoded after a prefix.
+    out.append(
+        Variant(
+            f"query_aware {d.qa_ratio:.0%} L{d.qa_layers} sinks=4",
+            "query_aware",
+            (("qa_sink_tokens", 4),),
+            False,
+        )
+    )
+    for encoding in ENCODINGS[1:]:
+        name = encoding.replace("_", " ")
+        out.append(Variant(f"full_reuse, {name}", "full_reuse", (), False, encoding))
+        out.append(
+            Variant(
+                f"query_aware {d.qa_ratio:.0%} L{d.qa_layers}, {name}",
+                "query_aware",
+                (),
+                False,
+                encoding,
+            )
+        )
     return out
+
+
+def encode_chunks(
+    oracle: Oracle,
+    ids: torch.Tensor,  # [N] the prompt
+    layout: Any,
+    encoding: str,
+    ranker: Any,
+) -> list[ChunkKV]:
+    """Every chunk's KV under ``encoding`` (see ENCODINGS). The first chunk sits at
+    position 0, where its independent KV is exact; it is the prefix of the others."""
+    first = layout.chunks[0]
+    system = oracle.encode_chunk(ids[first.start : first.end], ranker=ranker)
+    if encoding == "independent":
+        prefix = None
+    elif encoding == "sink_prefix":
+        n = SINK_PREFIX_TOKENS
+        prefix = KVCache(system.kv.k[:, :n].clone(), system.kv.v[:, :n].clone())
+    elif encoding == "system_prefix":
+        prefix = system.kv
+    else:
+        raise ValueError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
+    rest = [
+        oracle.encode_chunk(ids[s.start : s.end], prefix=prefix, ranker=ranker)
+        for s in layout.chunks[1:]
+    ]
+    return [system, *rest]
 
 
 ORACLE_VARIANT = Variant(
@@ -234,13 +296,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         full = oracle.prefill(ids)
         t_full = time.perf_counter() - t0
-        chunks = [oracle.encode_chunk(ids[s.start : s.end], ranker=ranker) for s in layout.chunks]
+        encoded = {
+            enc: encode_chunks(oracle, ids, layout, enc, ranker)
+            for enc in dict.fromkeys(v.encoding for v in all_variants)
+        }
+        chunks = encoded["independent"]
         recalls.append(_ranking_recall(oracle, layout, full, chunks, base.cachetune_r))
         results = []
         for var in all_variants:
             policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
-            results.append(_timed_reuse(oracle, ids, layout, chunks, policy))
+            results.append(_timed_reuse(oracle, ids, layout, encoded[var.encoding], policy))
             bar.update(1)
+        # Drift estimates the serving path could afford, compared after the run: how far
+        # this result's first token is from full reuse of the same chunks (one pass of the
+        # fresh tokens; the probe already runs its first layers) and from query_aware at
+        # other budgets (an embedded pair, as ODE solvers estimate their error).
+        family = {
+            var.label: (var.encoding, res.logits)
+            for var, res in zip(all_variants, results, strict=True)
+            if var.policy in ("full_reuse", "query_aware")
+            and set(dict(var.overrides)) <= {"qa_ratio"}
+        }
         if args.oracle_selection:
             results.append(_oracle_selection(oracle, ids, layout, chunks, full, TARGET_BUDGET))
         # One batched greedy decode of the reference and every variant (same prompt
@@ -285,11 +361,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "variant": var.label,
                     "policy": var.policy,
                     "default": var.is_default,
+                    "encoding": var.encoding,
                     "num_tokens": layout.num_tokens,
                     "num_chunks": len(layout.chunks),
                     "recompute_fraction": in_chunks / layout.num_reusable,
                     "computed_fraction": computed.numel() / layout.num_tokens,
                     "kl": first_token_kl(full.logits, res.logits),
+                    "kl_to": (
+                        {
+                            label: first_token_kl(res.logits, logits)
+                            for label, (enc, logits) in family.items()
+                            if enc == var.encoding and label != var.label
+                        }
+                        if var.label in family
+                        else None
+                    ),
                     "top1": float(top1_agrees(full.logits, res.logits)),
                     "greedy_agreement": greedy_agreement(ref_tokens[:new], tokens[:new]),
                     "kv_deviation": kv_deviation(full.kv, res.kv),
@@ -359,7 +445,10 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(parts[0])
     rows = [r for part in parts for r in part["rows"]]
     recalls = [r for part in parts for r in part["cachetune_recall_rows"]]
-    variants_ = [Variant(s["variant"], s["policy"], (), s["default"]) for s in out["summary"]]
+    variants_ = [
+        Variant(s["variant"], s["policy"], (), s["default"], s.get("encoding", "independent"))
+        for s in out["summary"]
+    ]
     out.update(
         examples=sum(part["examples"] for part in parts),
         first=min(part["first"] for part in parts),
@@ -428,6 +517,7 @@ def summarize(rows: list[dict[str, Any]], all_variants: list[Variant]) -> list[d
             "variant": var.label,
             "policy": var.policy,
             "default": var.is_default,
+            "encoding": var.encoding,
             "floor": is_floor(var.policy),
         }
         for k in MEANS:

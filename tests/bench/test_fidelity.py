@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,3 +95,33 @@ def test_summary_of_older_results_keeps_their_figures(bench_fidelity: ModuleType
     (s,) = bench_fidelity.summarize(old, [reuse])
     assert s["kl"] == pytest.approx(0.3) and "tf_kl" not in s and "kl_over_bfloat16" not in s
     assert s["floor"] is False
+
+
+def test_chunk_encodings_attend_to_the_prefix_they_name(
+    bench_fidelity: ModuleType, tiny_oracle
+) -> None:
+    """Each encoding's passage KV is exact prefill of [its prefix, the passage]: nothing
+    before it for "independent", the prompt's first token for "sink_prefix", the whole
+    system chunk for "system_prefix"; the system chunk is the same in all three."""
+    from sgl_pic.layout import PromptLayout
+
+    torch.manual_seed(3)
+    ids = torch.randint(0, 97, (40,))
+    layout = PromptLayout.from_lengths([10, 12, 14], fresh_tail=4)
+    system, passage = layout.chunks[0], layout.chunks[2]
+    prefixes = {"independent": 0, "sink_prefix": 1, "system_prefix": system.end}
+    got = {
+        enc: bench_fidelity.encode_chunks(tiny_oracle, ids, layout, enc, None)
+        for enc in bench_fidelity.ENCODINGS
+    }
+    for enc, chunks in got.items():
+        assert torch.equal(chunks[0].kv.k, got["independent"][0].kv.k)
+        p = prefixes[enc]
+        exact = tiny_oracle.prefill(torch.cat([ids[:p], ids[passage.start : passage.end]])).kv
+        assert chunks[2].base_position == p
+        torch.testing.assert_close(chunks[2].kv.k, exact.k[:, p:], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(chunks[2].kv.v, exact.v[:, p:], rtol=1e-4, atol=1e-5)
+    # The corrections change what the passage attended to: their KV differs.
+    assert not torch.allclose(got["sink_prefix"][2].kv.v, got["independent"][2].kv.v)
+    with pytest.raises(ValueError, match="unknown encoding"):
+        bench_fidelity.encode_chunks(tiny_oracle, ids, layout, "nope", None)
