@@ -11,6 +11,11 @@ activations and KV in that dtype), measured against float32 exact prefill as eve
 policy is. Beyond the first token: teacher-forced KL and top-1 along exact prefill's
 greedy continuation (up to its stop token), and ROUGE-L of the greedy answers.
 
+Corrections beyond selection (``ENCODINGS``: passages encoded after a prefix) and more
+sink tokens run beside the policies. Every query_aware result also records its
+first-token KL to full reuse and to query_aware at its other budgets (``kl_to``), which
+``bench/drift_target.py`` judges as drift estimates.
+
     python bench/fidelity.py --examples 20
 """
 
