@@ -38,6 +38,27 @@ def log_tail(log_path: str, n: int = 60) -> str:
         return "".join(f.readlines()[-n:])
 
 
+# A port free when chosen can be taken before the server binds it; SGLang's launcher then
+# logs the bind error and stays up without an HTTP server, so it is started again on
+# another port rather than waited on until the timeout.
+PORT_TRIES = 3
+
+
+def _port_taken(log_path: str, port: int) -> bool:
+    text = log_tail(log_path, 200)
+    return "address already in use" in text and f"'127.0.0.1', {port})" in text
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @contextmanager
 def server_process(
     args: Sequence[str],
@@ -50,43 +71,51 @@ def server_process(
 ) -> Iterator[ServerProcess]:
     """A server with ``args`` (SGLang and --pic-* flags) answering /health, killed with its
     process group on exit. Raises RuntimeError with the log's tail if it exits or is not
-    healthy in time. ``preexec`` runs in the child before exec (e.g. resource limits);
-    ``module`` is the launcher run (``sglang.launch_server`` for SGLang's own)."""
-    port = free_port()
-    fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
-    cmd = [sys.executable, "-m", module, "--port", str(port), *args]
-    with os.fdopen(fd, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec,
-            env=None if env is None else dict(env),
-            cwd=cwd,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_tail(log_path)}")
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
+    healthy in time; a port taken before the server bound it is replaced (``PORT_TRIES``).
+    ``preexec`` runs in the child before exec (e.g. resource limits); ``module`` is the
+    launcher run (``sglang.launch_server`` for SGLang's own)."""
+    deadline = time.monotonic() + startup_timeout_s
+    for attempt in range(1, PORT_TRIES + 1):
+        port = free_port()
+        fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+        cmd = [sys.executable, "-m", module, "--port", str(port), *args]
+        with os.fdopen(fd, "w") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=preexec,
+                env=None if env is None else dict(env),
+                cwd=cwd,
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"server exited with {proc.returncode}:\n{log_tail(log_path)}"
+                    )
+                try:
+                    if requests.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if attempt < PORT_TRIES and _port_taken(log_path, port):
                     break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"server not healthy in {startup_timeout_s}s:\n{log_tail(log_path)}"
-                )
-            time.sleep(2)
-        yield ServerProcess(url, log_path, proc.pid)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"server not healthy in {startup_timeout_s}s:\n{log_tail(log_path)}"
+                    )
+                time.sleep(2)
+        except BaseException:
+            _stop(proc)
+            raise
+        if attempt < PORT_TRIES and _port_taken(log_path, port):
+            _stop(proc)
+            continue
+        try:
+            yield ServerProcess(url, log_path, proc.pid)
+        finally:
+            _stop(proc)
+        return
