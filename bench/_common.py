@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -94,6 +95,12 @@ def server_env(root: Path = ROOT, extra: dict[str, str] | None = None) -> dict[s
     env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     return env
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile ``p`` in (0, 1] of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p * len(ordered)) - 1)]
 
 
 def write_json(path: str | Path, data: Any, indent: int = 1, newline: bool = False) -> Path:

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
 
-from _common import add_out_option, git_state, write_json  # noqa: E402
+from _common import add_out_option, git_state, percentile, write_json  # noqa: E402
 from drift_estimate import spearman  # noqa: E402
 
 EPS = 1e-6
@@ -93,11 +93,6 @@ def judge(rows: list[dict[str, Any]], estimator: str, f: Fit) -> dict[str, Any]:
     }
 
 
-def p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
-
-
 def ladder(
     by_example: dict[int, dict[str, dict[str, Any]]], estimator: str, f: Fit, target: float
 ) -> dict[str, Any]:
@@ -122,7 +117,7 @@ def ladder(
         "recompute_served": statistics.fmean(served_frac),
         "recompute_tried": statistics.fmean(tried_frac),
         "kl_mean": statistics.fmean(served_kl),
-        "kl_p90": p90(served_kl),
+        "kl_p90": percentile(served_kl, 0.9),
     }
 
 
@@ -158,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "variant": FIXED,
             "recompute": statistics.fmean(r["recompute_fraction"] for r in fixed),
             "kl_mean": statistics.fmean(r["kl"] for r in fixed),
-            "kl_p90": p90([r["kl"] for r in fixed]),
+            "kl_p90": percentile([r["kl"] for r in fixed], 0.9),
         },
         "estimators": {},
     }

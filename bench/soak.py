@@ -75,6 +75,7 @@ from _common import (
     add_server_args_option,
     embedded_tokenizer,
     git_state,
+    percentile,
     server_env,
     write_json,
 )
@@ -780,12 +781,6 @@ class Soak:
                         s.restart()
 
 
-def _pct(values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(values)
-    return s[max(0, math.ceil(p * len(s)) - 1)]
-
-
 def summarize(soak: Soak, scans: dict[str, DiskScan], restart_errors: dict[str, Any]) -> dict:
     recs = soak.records
     by_outcome = Counter(r.outcome for r in recs)
@@ -802,8 +797,8 @@ def summarize(soak: Soak, scans: dict[str, DiskScan], restart_errors: dict[str, 
         v = groups[kind]
         latency[kind] = {
             "n": len(v),
-            "p50_s": round(_pct(v, 0.5), 4),
-            "p99_s": round(_pct(v, 0.99), 4),
+            "p50_s": round(percentile(v, 0.5), 4),
+            "p99_s": round(percentile(v, 0.99), 4),
         }
     before, after = scans.get("before_kill"), scans.get("after_kill")
     disk: dict[str, Any] = {k: s.summary() for k, s in scans.items()}
