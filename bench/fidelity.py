@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -163,27 +164,32 @@ def encode_chunks(
     oracle: Oracle,
     ids: torch.Tensor,  # [N] the prompt
     layout: Any,
-    encoding: str,
+    encodings: Sequence[str],
     ranker: Any,
-) -> list[ChunkKV]:
-    """Every chunk's KV under ``encoding`` (see ENCODINGS). The first chunk sits at
-    position 0, where its independent KV is exact; it is the prefix of the others."""
+) -> dict[str, list[ChunkKV]]:
+    """Every chunk's KV under each of ``encodings`` (see ENCODINGS). The first chunk sits
+    at position 0, where its independent KV is exact: it is encoded once, serves every
+    encoding, and is the prefix of the others."""
     first = layout.chunks[0]
     system = oracle.encode_chunk(ids[first.start : first.end], ranker=ranker)
-    if encoding == "independent":
-        prefix = None
-    elif encoding == "sink_prefix":
-        n = SINK_PREFIX_TOKENS
-        prefix = KVCache(system.kv.k[:, :n].clone(), system.kv.v[:, :n].clone())
-    elif encoding == "system_prefix":
-        prefix = system.kv
-    else:
-        raise ValueError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
-    rest = [
-        oracle.encode_chunk(ids[s.start : s.end], prefix=prefix, ranker=ranker)
-        for s in layout.chunks[1:]
-    ]
-    return [system, *rest]
+    prefixes = {
+        "independent": None,
+        "sink_prefix": KVCache(
+            system.kv.k[:, :SINK_PREFIX_TOKENS].clone(),
+            system.kv.v[:, :SINK_PREFIX_TOKENS].clone(),
+        ),
+        "system_prefix": system.kv,
+    }
+    out = {}
+    for encoding in encodings:
+        if encoding not in prefixes:
+            raise ValueError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
+        prefix = prefixes[encoding]
+        out[encoding] = [system] + [
+            oracle.encode_chunk(ids[s.start : s.end], prefix=prefix, ranker=ranker)
+            for s in layout.chunks[1:]
+        ]
+    return out
 
 
 ORACLE_VARIANT = Variant(
@@ -301,10 +307,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         full = oracle.prefill(ids)
         t_full = time.perf_counter() - t0
-        encoded = {
-            enc: encode_chunks(oracle, ids, layout, enc, ranker)
-            for enc in dict.fromkeys(v.encoding for v in all_variants)
-        }
+        encoded = encode_chunks(
+            oracle, ids, layout, list(dict.fromkeys(v.encoding for v in all_variants)), ranker
+        )
         chunks = encoded["independent"]
         recalls.append(_ranking_recall(oracle, layout, full, chunks, base.cachetune_r))
         results = []

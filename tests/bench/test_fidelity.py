@@ -110,10 +110,7 @@ def test_chunk_encodings_attend_to_the_prefix_they_name(
     layout = PromptLayout.from_lengths([10, 12, 14], fresh_tail=4)
     system, passage = layout.chunks[0], layout.chunks[2]
     prefixes = {"independent": 0, "sink_prefix": 1, "system_prefix": system.end}
-    got = {
-        enc: bench_fidelity.encode_chunks(tiny_oracle, ids, layout, enc, None)
-        for enc in bench_fidelity.ENCODINGS
-    }
+    got = bench_fidelity.encode_chunks(tiny_oracle, ids, layout, bench_fidelity.ENCODINGS, None)
     for enc, chunks in got.items():
         assert torch.equal(chunks[0].kv.k, got["independent"][0].kv.k)
         p = prefixes[enc]
@@ -124,4 +121,4 @@ def test_chunk_encodings_attend_to_the_prefix_they_name(
     # The corrections change what the passage attended to: their KV differs.
     assert not torch.allclose(got["sink_prefix"][2].kv.v, got["independent"][2].kv.v)
     with pytest.raises(ValueError, match="unknown encoding"):
-        bench_fidelity.encode_chunks(tiny_oracle, ids, layout, "nope", None)
+        bench_fidelity.encode_chunks(tiny_oracle, ids, layout, ["nope"], None)
