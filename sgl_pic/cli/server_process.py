@@ -90,6 +90,7 @@ def server_process(
                 cwd=cwd,
             )
         url = f"http://127.0.0.1:{port}"
+        taken = False
         try:
             while True:
                 if proc.poll() is not None:
@@ -101,7 +102,8 @@ def server_process(
                         break
                 except requests.RequestException:
                     pass
-                if attempt < PORT_TRIES and _port_taken(log_path, port):
+                taken = attempt < PORT_TRIES and _port_taken(log_path, port)
+                if taken:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(
@@ -111,7 +113,7 @@ def server_process(
         except BaseException:
             _stop(proc)
             raise
-        if attempt < PORT_TRIES and _port_taken(log_path, port):
+        if taken:
             _stop(proc)
             continue
         try:
