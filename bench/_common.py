@@ -62,12 +62,12 @@ def load_oracle_model(model: Path | None) -> OracleModel:
     return OracleModel(path, tokenizer, Oracle(weights_from_hf(load_hf_model(path))))
 
 
-def git(*args: str) -> str | None:
-    """``git args`` in this checkout: its stripped output, None where git fails or is
-    missing."""
+def git(*args: str, root: Path | None = None) -> str | None:
+    """``git args`` in the checkout at ``root`` (this one, ``ROOT``, by default): its
+    stripped output, None where git fails or is missing."""
     try:
         return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", *args], cwd=root or ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -81,11 +81,13 @@ class GitState(NamedTuple):
     dirty: bool | None  # uncommitted changes (untracked files count unless told otherwise)
 
 
-def git_state(untracked: bool = True) -> GitState:
-    """HEAD's commit and whether the tree has uncommitted changes; ``untracked=False``
-    leaves files git does not track out of ``dirty``."""
-    status = git("status", "--porcelain", *(() if untracked else ("--untracked-files=no",)))
-    return GitState(git("rev-parse", "HEAD"), None if status is None else bool(status))
+def git_state(untracked: bool = True, root: Path | None = None) -> GitState:
+    """HEAD's commit and whether the tree has uncommitted changes, of the checkout at
+    ``root`` (``ROOT`` by default); ``untracked=False`` leaves files git does not track
+    out of ``dirty``."""
+    flags = () if untracked else ("--untracked-files=no",)
+    status = git("status", "--porcelain", *flags, root=root)
+    return GitState(git("rev-parse", "HEAD", root=root), None if status is None else bool(status))
 
 
 def server_env(root: Path = ROOT, extra: dict[str, str] | None = None) -> dict[str, str]:

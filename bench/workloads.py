@@ -14,11 +14,13 @@ requests, ``--concurrency`` sessions at a time, each session's requests in order
 ``--configs`` picks the configurations run side by side (``prefix_caching`` and ``sgl_pic``
 always among them); besides those above it takes the variants of ``VARIANTS``, sgl-pic
 with one setting changed (``sgl_pic_daric``: ``--pic-policy daric``, a selection without
-the query probe). Each variant gets the default's figures against the same prefix-caching
-run (``reuse_figures``, in ``compare``'s ``variants``: its fraction of its own ideal,
-extend seconds over that ideal's, greedy agreement), so a setting's throughput is read
-beside what it does to the answers. Without ``prefix_caching_first_token`` the replay
-ideal is not reported.
+the query probe; ``sgl_pic_ref``: the default's flags, its server run from another
+checkout, ``--ref-root``, so two commits' code meet the same stream in one run). Each
+variant gets the default's figures against the same prefix-caching run
+(``reuse_figures``, in ``compare``'s ``variants``: its fraction of its own ideal, extend
+seconds over that ideal's, greedy agreement), so a setting's throughput is read beside
+what it does to the answers. Without ``prefix_caching_first_token`` the replay ideal is
+not reported.
 
 Both get the same bounded cache (``--server-args``, by default a quarter of SGLang's KV pool
 for chunk nodes and 256 MiB of host memory, no disk tier), so that the churn of novel
@@ -109,7 +111,7 @@ from typing import Any
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_data_option, add_out_option, git_state, write_json  # noqa: E402
+from _common import ROOT, add_data_option, add_out_option, git_state, write_json  # noqa: E402
 from _server import Client, delta, launch, metric  # noqa: E402
 from workload_streams import (  # noqa: E402
     TEMPLATED_WORKLOADS,
@@ -138,6 +140,8 @@ AUTO = "tool,document,user,assistant"
 VARIANTS = {
     "sgl_pic_lru": ["--pic-eviction", "lru"],
     "sgl_pic_daric": ["--pic-policy", "daric"],
+    # The default's flags, its server run from the checkout at --ref-root (another commit).
+    "sgl_pic_ref": [],
 }
 DEFAULT_CONFIGS = ("prefix_caching", "prefix_caching_first_token", "sgl_pic")
 PASSAGE_TOKENS = 120  # passages are cut to this many tokens
@@ -427,6 +431,12 @@ def config_flags(server_args: str, config: str) -> list[str]:
     return flags + VARIANTS.get(config, [])
 
 
+def config_root(args: argparse.Namespace, config: str) -> Path:
+    """The checkout whose code a configuration's server runs: ``--ref-root`` for
+    ``sgl_pic_ref``, this one for the others."""
+    return Path(args.ref_root) if config == "sgl_pic_ref" else ROOT
+
+
 def model_flags(workload: str) -> list[str]:
     """The model a workload's servers run: for the chat workloads with tools, the embedded
     model with a tool-aware chat template (``tool_template_model``), else the default."""
@@ -449,7 +459,7 @@ def run_one(
 ) -> dict:
     flags = config_flags(args.server_args, config) + model_flags(name)
     print(f"== {name} / {config}", flush=True)
-    with launch(flags) as client:
+    with launch(flags, root=config_root(args, config)) as client:
         warm_s = warm_up(client, warmup)
         before = client.metrics()
         client.skip_log()
@@ -484,7 +494,7 @@ def run_interleaved(
         for c in configs:
             print(f"== {name} / {c} (interleaved, {len(blocks)} blocks)", flush=True)
             flags = config_flags(args.server_args, c) + model_flags(name)
-            clients[c] = stack.enter_context(launch(flags))
+            clients[c] = stack.enter_context(launch(flags, root=config_root(args, c)))
             clients[c].pause()
             # Resumed before the server is killed: a stopped process does not act on SIGTERM.
             stack.callback(clients[c].resume)
@@ -769,6 +779,11 @@ def main() -> None:
         help="configurations run side by side: prefix_caching and sgl_pic, and any of "
         f"prefix_caching_first_token, {', '.join(VARIANTS)}",
     )
+    ap.add_argument(
+        "--ref-root",
+        default=None,
+        help="the checkout (e.g. a worktree at another commit) whose code sgl_pic_ref runs",
+    )
     add_out_option(ap, "workloads.json")
     args = ap.parse_args()
     configs = args.configs.split(",")
@@ -777,6 +792,10 @@ def main() -> None:
         ap.error(f"--configs needs prefix_caching and sgl_pic, from {sorted(known)}: {configs}")
     if len(set(configs)) != len(configs):
         ap.error(f"--configs names a configuration twice: {configs}")
+    if ("sgl_pic_ref" in configs) != (args.ref_root is not None):
+        ap.error("--ref-root and the sgl_pic_ref configuration go together")
+    if args.ref_root is not None and not (Path(args.ref_root) / "sgl_pic").is_dir():
+        ap.error(f"--ref-root has no sgl_pic package: {args.ref_root}")
     if args.interleave < 0:
         ap.error(f"--interleave must be >= 0, got {args.interleave}")
     if args.server_warmup < 0:
@@ -792,6 +811,8 @@ def main() -> None:
         "args": vars(args),
         "workloads": {},
     }
+    if args.ref_root is not None:
+        report["ref_git"] = git_state(root=Path(args.ref_root))._asdict()
     warmup = server_warmup(src, args.server_warmup)
     for name in args.workloads.split(","):
         sessions = WORKLOADS[name](src, args.requests, args.seed)

@@ -61,6 +61,23 @@ def test_git_outside_a_checkout_is_none(
     monkeypatch.setattr(common, "ROOT", tmp_path)  # no repository here or above /tmp
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert common.git_state() == (None, None)
+    assert common.git_state(root=tmp_path) == (None, None)
+
+
+def test_git_state_of_another_checkout(common: ModuleType, tmp_path: Path) -> None:
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env |= {"GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"]}
+    (tmp_path / "a").write_text("a")
+    for cmd in (["add", "a"], ["commit", "-qm", "a"]):
+        subprocess.run(["git", "-C", str(tmp_path), *cmd], check=True, env=env)
+    head = subprocess.run(
+        ["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    assert common.git_state(root=tmp_path) == (head, False)
+    assert common.git_state().commit != head  # ROOT's own stays the default
+    (tmp_path / "b").write_text("b")
+    assert common.git_state(root=tmp_path) == (head, True)
 
 
 def test_write_json_keeps_each_layout(common: ModuleType, tmp_path: Path) -> None:
