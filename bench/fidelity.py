@@ -45,6 +45,7 @@ from _common import (  # noqa: E402
     load_oracle_model,
     write_json,
 )
+from depth_budget import SIGNALS, DepthSchedule, timed_depth_reuse  # noqa: E402
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import (  # noqa: E402
@@ -213,6 +214,57 @@ class TimedReuse(NamedTuple):
     computed: Selection
     seconds: float  # assembly + selection + recomputation
     selection_s: float  # the policy's select(), signals (deviation, probe) included
+    # Chunk rows computed, summed over layers, over (chunk tokens x layers): where the set
+    # differs by layer (depth budgets); None where one set runs every layer.
+    layer_fraction: float | None = None
+
+
+DEPTH_POLICY = "query_aware_depth"
+# Budgets that follow depth (bench/depth_budget.py), each at a mean of 15% over layers.
+DEPTH_SCHEDULES = tuple(
+    DepthSchedule(first, last, signal)
+    for first, last in ((0.25, 0.05), (0.30, 0.0))
+    for signal in SIGNALS
+)
+
+
+def depth_variants() -> list[Variant]:
+    """Each schedule over independent chunk KV, and over KV encoded after the system chunk
+    (the best encoding measured): corrections may add up."""
+    out = []
+    for encoding, suffix in (("independent", ""), ("system_prefix", ", system prefix")):
+        out += [
+            Variant(s.label + suffix, DEPTH_POLICY, tuple(s._asdict().items()), False, encoding)
+            for s in DEPTH_SCHEDULES
+        ]
+    return out
+
+
+def select_variants(every: list[Variant], labels: list[str] | None) -> list[Variant]:
+    """The variants named in ``labels`` (as the table prints them), in their usual order;
+    all of them for None."""
+    if labels is None:
+        return every
+    unknown = sorted(set(labels) - {v.label for v in every})
+    if unknown:
+        known = "; ".join(v.label for v in every)
+        raise SystemExit(f"--variants: unknown {unknown}; known here: {known}")
+    return [v for v in every if v.label in labels]
+
+
+def _timed_depth(
+    oracle: Oracle,
+    ids: torch.Tensor,
+    layout: Any,
+    chunks: list[Any],
+    config: PicConfig,
+    var: Variant,
+) -> TimedReuse:
+    res, seconds, selection_s = timed_depth_reuse(
+        oracle, ids, layout, chunks, config, DepthSchedule(**dict(var.overrides))
+    )
+    fraction = sum(res.chunk_rows) / (len(res.chunk_rows) * layout.num_reusable)
+    return TimedReuse(res.kv, res.logits, res.computed, seconds, selection_s, fraction)
 
 
 def _timed_reuse(
@@ -287,7 +339,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     examples = load_rag_examples(args.data)[args.first : args.first + args.examples]
     base = PicConfig()
     alpha = base.cachetune_alpha
-    all_variants = variants(not args.no_sweep)
+    all_variants = select_variants(
+        variants(not args.no_sweep) + (depth_variants() if args.depth else []), args.variants
+    )
     run_variants = all_variants + ([ORACLE_VARIANT] if args.oracle_selection else [])
     floor_variants = [floor_variant(name) for name in floors]
     new, cont = args.new_tokens, args.continuation_tokens
@@ -314,8 +368,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         recalls.append(_ranking_recall(oracle, layout, full, chunks, base.cachetune_r))
         results = []
         for var in all_variants:
-            policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
-            results.append(_timed_reuse(oracle, ids, layout, encoded[var.encoding], policy))
+            if var.policy == DEPTH_POLICY:
+                enc = encoded[var.encoding]
+                results.append(_timed_depth(oracle, ids, layout, enc, base, var))
+            else:
+                policy = make_policy(base.with_overrides(policy=var.policy, **dict(var.overrides)))
+                results.append(_timed_reuse(oracle, ids, layout, encoded[var.encoding], policy))
             bar.update(1)
         # Drift estimates the serving path could afford, compared after the run: how far
         # this result's first token is from full reuse of the same chunks (one pass of the
@@ -361,6 +419,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             in_chunks = sum(
                 int(((computed >= s.start) & (computed < s.end)).sum()) for s in layout.chunks
             )
+            fraction, computed_fraction = in_chunks / layout.num_reusable, None
+            if res.layer_fraction is not None:  # by layer: chunk rows vary, fresh rows do not
+                fraction = res.layer_fraction
+                fresh = layout.num_tokens - layout.num_reusable
+                computed_fraction = (fraction * layout.num_reusable + fresh) / layout.num_tokens
             tf = position_fidelity(
                 ref_forced, teacher_forced_logits(path, res.kv, res.logits, forced)
             )
@@ -374,8 +437,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "encoding": var.encoding,
                     "num_tokens": layout.num_tokens,
                     "num_chunks": len(layout.chunks),
-                    "recompute_fraction": in_chunks / layout.num_reusable,
-                    "computed_fraction": computed.numel() / layout.num_tokens,
+                    "recompute_fraction": fraction,
+                    "computed_fraction": (
+                        computed.numel() / layout.num_tokens
+                        if computed_fraction is None
+                        else computed_fraction
+                    ),
                     "kl": first_token_kl(full.logits, res.logits),
                     "kl_to": (
                         {
@@ -663,6 +730,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         # argparse %-formats help: a literal percent sign is written %%.
         help=f"add the oracle selection at {TARGET_BUDGET:.0%}% (needs bench/diagnose.py)",
+    )
+    p.add_argument(
+        "--depth",
+        action="store_true",
+        help="add budgets that follow depth (bench/depth_budget.py), each at 15%% over layers",
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="labels (as the table prints them, one argument each): run only these",
     )
     p.add_argument("--first", type=int, default=0, help="index of the first example")
     p.add_argument(
