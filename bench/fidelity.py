@@ -223,7 +223,7 @@ DEPTH_POLICY = "query_aware_depth"
 # Budgets that follow depth (bench/depth_budget.py), each at a mean of 15% over layers.
 DEPTH_SCHEDULES = tuple(
     DepthSchedule(first, last, signal)
-    for first, last in ((0.25, 0.05), (0.30, 0.0))
+    for first, last in ((0.25, 0.05), (0.30, 0.0), (0.20, 0.10))
     for signal in SIGNALS
 )
 
