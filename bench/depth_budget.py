@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from sgl_pic.config import PicConfig
 from sgl_pic.layout import PromptLayout
 from sgl_pic.oracle import Oracle
 from sgl_pic.oracle.forward import (
@@ -41,6 +42,7 @@ from sgl_pic.oracle.forward import (
     project_qkv,
     rms_norm,
 )
+from sgl_pic.oracle.oracle import ChunkKV
 from sgl_pic.rope import apply_rope
 from sgl_pic.selection import Selection, SelectionContext, finalize, make_policy
 from sgl_pic.selection.query_aware import query_positions, question_attention
@@ -149,8 +151,8 @@ def timed_depth_reuse(
     oracle: Oracle,
     token_ids: torch.Tensor,  # [N]
     layout: PromptLayout,
-    chunks: list[Any],
-    config: Any,  # PicConfig: the default policy's settings (query_aware's probe depth)
+    chunks: list[ChunkKV],
+    config: PicConfig,  # the default policy's settings (query_aware's probe depth)
     schedule: DepthSchedule,
 ) -> tuple[DepthResult, float, float]:
     """Assembly, layer 0's selection (query_aware at ``schedule.first``) and the gradual
