@@ -12,9 +12,11 @@ policy is. Beyond the first token: teacher-forced KL and top-1 along exact prefi
 greedy continuation (up to its stop token), and ROUGE-L of the greedy answers.
 
 Corrections beyond selection (``ENCODINGS``: passages encoded after a prefix) and more
-sink tokens run beside the policies. Every query_aware result also records its
-first-token KL to full reuse and to query_aware at its other budgets (``kl_to``), which
-``bench/drift_target.py`` judges as drift estimates.
+sink tokens run beside the policies; ``--depth`` adds budgets that follow depth
+(``bench/depth_budget.py``: a token set per layer, shrinking with depth) over independent
+and system-prefix chunk KV, and ``--variants`` runs only the rows it names. Every
+query_aware result also records its first-token KL to full reuse and to query_aware at
+its other budgets (``kl_to``), which ``bench/drift_target.py`` judges as drift estimates.
 
     python bench/fidelity.py --examples 20
 """
