@@ -4,9 +4,6 @@ shrinking schedule computes and leaves reused."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -15,21 +12,12 @@ import torch
 from sgl_pic.layout import PromptLayout
 from sgl_pic.oracle import Oracle
 from sgl_pic.selection import Selection, finalize
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def depth() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(
-        "depth_budget", ROOT / "bench" / "depth_budget.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("depth_budget")
 
 
 def _prompt(oracle: Oracle) -> tuple[torch.Tensor, PromptLayout, object]:

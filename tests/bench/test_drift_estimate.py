@@ -3,29 +3,19 @@ a fit that recovers a known log-linear law and ranks held-out requests by it."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
 from sgl_pic.layout import PromptLayout, Span
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def study() -> ModuleType:
-    path = ROOT / "bench" / "drift_estimate.py"
-    spec = importlib.util.spec_from_file_location("bench_drift_estimate", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("drift_estimate")
 
 
 def test_spearman(study: ModuleType) -> None:

@@ -3,29 +3,19 @@ on synthetic fidelity rows whose truth is known."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def drift_target() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(
-        "bench_drift_target", ROOT / "bench" / "drift_target.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("drift_target")
 
 
 def _rows(module: ModuleType, examples: int) -> list[dict]:

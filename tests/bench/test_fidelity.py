@@ -3,7 +3,6 @@ summary of the new figures (intervals, the bfloat16 floor's multiples)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,8 @@ from types import ModuleType
 
 import pytest
 import torch
+
+from tests.bench.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,12 +41,7 @@ def test_neither_benchmark_imports_the_other() -> None:
 
 @pytest.fixture(scope="module")
 def bench_fidelity() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_fidelity", ROOT / "bench" / "fidelity.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fidelity")
 
 
 def _row(variant: str, policy: str, example: int, kl: float, tf_top1: float) -> dict:
