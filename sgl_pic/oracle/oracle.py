@@ -210,15 +210,22 @@ class Oracle:
         token_ids: torch.Tensor,  # [N]
         assembled: KVCache,
         computed: Selection,
+        on_queries: Callable[[int, torch.Tensor, KVCache], None] | None = None,
     ) -> ReuseResult:
         """Selective recomputation of ``computed`` (which must hold the last token)
-        on a copy of ``assembled``; ``assembled`` itself is not modified."""
+        on a copy of ``assembled``; ``assembled`` itself is not modified.
+        ``on_queries(layer, q, kv)`` sees each layer's post-RoPE queries of the computed
+        tokens (# [len(computed), H, D]) once their K/V of that layer are in the copy
+        ``kv``, as the served pass's attention sees them."""
         n = token_ids.numel()
         idx = computed.indices
         if idx.numel() == 0 or int(idx[-1]) != n - 1:
             raise ValueError("the computed set must include the last token (its logits)")
         kv = assembled.clone()
-        out = forward_tokens(self.w, token_ids[idx], idx, idx, kv, torch.arange(n))
+        hook = None if on_queries is None else (lambda li, q: on_queries(li, q, kv))
+        out = forward_tokens(
+            self.w, token_ids[idx], idx, idx, kv, torch.arange(n), on_queries=hook
+        )
         return ReuseResult(kv, logits_of(self.w, out.hidden[-1:])[0], computed)
 
     def reuse(
