@@ -19,6 +19,9 @@ them) and query_aware budget (``--ratios``):
   of the recomputed rows at that layer: the stale KV the question still reads;
 * ``attended_change``: the change of the recomputed rows weighted by the question's
   attention to them;
+* ``entropy`` / ``top1_margin``: the entropy of the served first-token distribution and
+  the probability gap between its two most likely tokens (a near tie has more mass to
+  move);
 * ``distance_to_full_reuse``: first-token KL of this result to full reuse of the same
   chunks (``bench/drift_target.py``'s first estimator; it needs a second pass).
 
@@ -75,6 +78,8 @@ SIGNALS = (
     "deviation_recomputed_deep",
     "residual_deep",
     "attended_change",
+    "entropy",
+    "top1_margin",
     "distance_to_full_reuse",
 )
 # Candidate estimators: what a server could return without exact prefill. The last needs
@@ -84,7 +89,10 @@ ESTIMATORS: dict[str, tuple[str, ...]] = {
     "attention_reused_deep": ("attention_reused_deep",),
     "change and attention": ("deviation_recomputed_deep", "attention_reused_deep"),
     "one pass, all": SIGNALS[:-1],
+    "entropy": ("entropy",),
+    "entropy and margin": ("entropy", "top1_margin"),
     "distance_to_full_reuse": ("distance_to_full_reuse",),
+    "entropy and distance": ("entropy", "distance_to_full_reuse"),
     "all, with full reuse": SIGNALS,
 }
 
@@ -135,6 +143,14 @@ def after_signals(
         "residual_deep": float(residual[deep].mean()),
         "attended_change": float(attended.mean()) if has else 0.0,
     }
+
+
+def confidence(logits: torch.Tensor) -> dict[str, float]:  # logits: [vocab]
+    """Entropy (nats) of the served next-token distribution and its top-1 minus top-2
+    probability."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    top = logp.exp().topk(2).values
+    return {"entropy": float(-(logp.exp() * logp).sum()), "top1_margin": float(top[0] - top[1])}
 
 
 def chunk_index(layout: PromptLayout) -> torch.Tensor:
@@ -198,6 +214,7 @@ def run_example(
                 "num_tokens": layout.num_tokens,
                 "kl": first_token_kl(full.logits, res.logits),
                 "distance_to_full_reuse": first_token_kl(res.logits, reuse_logits),
+                **confidence(res.logits),
                 **after_signals(seen, change, recomputed, reused, chunk_of, len(layout.chunks)),
             }
         )

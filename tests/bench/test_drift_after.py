@@ -1,0 +1,104 @@
+"""bench/drift_after.py's pieces: the recomputed rows' K/V change, the one-pass signals of
+one selection, and an analysis that finds a signal which follows KL and one which does not."""
+
+from __future__ import annotations
+
+import random
+from types import ModuleType
+
+import pytest
+import torch
+
+from sgl_pic.layout import PromptLayout, Span
+from sgl_pic.oracle.forward import KVCache
+from tests.bench.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def study() -> ModuleType:
+    return load_script("drift_after")
+
+
+def test_relative_change(study: ModuleType) -> None:
+    old = KVCache(torch.ones(2, 4, 1, 2), torch.ones(2, 4, 1, 2))
+    new = old.clone()
+    new.k[1, 2] += torch.tensor([[3.0, 4.0]])  # |dK| = 5 at layer 1, row 2
+    change = study.relative_change(new, old, torch.tensor([0, 2]))
+    base = 2 * 2**0.5  # |K| + |V| of a row of ones
+    assert change.shape == (2, 2)
+    assert change[0].tolist() == [0.0, 0.0]
+    assert change[1, 0] == 0.0
+    assert change[1, 1] == pytest.approx(5 / base)
+
+
+def test_chunk_index(study: ModuleType) -> None:
+    layout = PromptLayout(8, (Span(0, 2), Span(3, 6)))
+    assert study.chunk_index(layout).tolist() == [0, 0, -1, 1, 1, 1, -1, -1]
+
+
+def test_after_signals(study: ModuleType) -> None:
+    # Two layers; chunk 0 = rows 0-2, chunk 1 = rows 3-5, question rows 6-7.
+    attention = torch.tensor(
+        [
+            [1.0, 1, 0, 2, 0, 0, 3, 3],  # total 10
+            [2.0, 0, 1, 1, 1, 1, 2, 2],  # total 10
+        ]
+    )
+    chunk_of = torch.tensor([0, 0, 0, 1, 1, 1, -1, -1])
+    recomputed = torch.tensor([1, 3])
+    reused = torch.tensor([2, 4, 5])
+    change = torch.tensor([[0.5, 0.1], [0.2, 0.4]])  # [layer, recomputed row]
+    s = study.after_signals(attention, change, recomputed, reused, chunk_of, 2)
+    assert s["attention_reused"] == pytest.approx((0.0 + 0.3) / 2)
+    assert s["attention_reused_deep"] == pytest.approx(0.3)  # layer 1 only
+    assert s["deviation_recomputed"] == pytest.approx(0.3)
+    assert s["deviation_recomputed_deep"] == pytest.approx(0.3)
+    # Layer 1: row 2 (chunk 0, mean change 0.2) x 1, rows 4-5 (chunk 1, 0.4) x 1 each.
+    assert s["residual_deep"] == pytest.approx((0.2 + 0.4 + 0.4) / 10)
+    # Layer 0: rows 1, 3 attended 1 and 2: (0.5 + 0.2) / 3; layer 1: 0 and 1: 0.4.
+    assert s["attended_change"] == pytest.approx(((0.5 * 1 + 0.1 * 2) / 3 + 0.4) / 2)
+
+
+def test_after_signals_without_recomputed_rows(study: ModuleType) -> None:
+    attention = torch.ones(2, 4)
+    s = study.after_signals(
+        attention,
+        torch.empty(2, 0),
+        torch.empty(0, dtype=torch.int64),
+        torch.tensor([1, 2]),
+        torch.tensor([0, 0, 0, -1]),
+        1,
+    )
+    assert s["attention_reused"] == pytest.approx(0.5)
+    assert s["deviation_recomputed"] == 0.0
+    assert s["residual_deep"] == 0.0
+
+
+def test_analyse_tells_a_signal_that_follows_kl_from_noise(study: ModuleType) -> None:
+    rng = random.Random(0)
+    rows = []
+    for ex in range(30):
+        for config, scale in (("a", 1.0), ("b", 0.5)):
+            kl = scale * rng.uniform(0.01, 1.0)
+            noise = rng.uniform(0.01, 1.0)
+            row = {"config": config, "example": ex, "kl": kl}
+            row.update(dict.fromkeys(study.SIGNALS, noise))
+            row["distance_to_full_reuse"] = 0.3 * kl**0.8  # a law the fit can learn
+            rows.append(row)
+    out = study.analyse(rows, fit_examples=15, ridge=1e-6)
+    signals = out["signals_held_out_within"]
+    assert signals["distance_to_full_reuse"]["mean"] == pytest.approx(1.0)
+    assert abs(signals["residual_deep"]["mean"]) < 0.6
+    held = out["estimators"]["distance_to_full_reuse"]["held_out"]
+    assert held["spearman_within_config_mean"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="both sides"):
+        study.analyse(rows, fit_examples=30, ridge=1e-6)
+
+
+def test_confidence(study: ModuleType) -> None:
+    flat = study.confidence(torch.zeros(4))
+    assert flat["entropy"] == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    assert flat["top1_margin"] == pytest.approx(0.0)
+    peaked = study.confidence(torch.tensor([10.0, 0.0, 0.0, 0.0]))
+    assert peaked["entropy"] < 0.01
+    assert peaked["top1_margin"] == pytest.approx(1.0, abs=1e-3)
