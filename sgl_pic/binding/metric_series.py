@@ -295,15 +295,16 @@ class PicSeries:
         "Bytes held in the host and disk tiers, by namespace (--pic-namespace-metrics)",
         labels=("namespace", "tier"),
     )
-    hit_rate = Series(
-        Gauge,
-        "sgl_pic_last_hit_rate",
-        "Chunk hit rate of the last request",
-    )
+    hit_rate = Series(Gauge, "sgl_pic_last_hit_rate", "Chunk hit rate of the last request")
     recomputed_fraction = Series(
-        Gauge,
-        "sgl_pic_last_recomputed_fraction",
-        "Recomputed / new tokens of the last request",
+        Gauge, "sgl_pic_last_recomputed_fraction", "Recomputed / new tokens of the last request"
+    )
+    first_token_entropy = Series(
+        Histogram,
+        "sgl_pic_first_token_entropy",
+        "Entropy (nats) of the first-token distribution of requests served by reuse, the "
+        "signal that ranks their drift from exact prefill (meta_info pic_first_token_entropy)",
+        buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
     )
 
 

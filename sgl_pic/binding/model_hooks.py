@@ -131,6 +131,7 @@ def install(
     layer_end: Callable[[int], None],
     on_bypass: Callable[[Any], None] = lambda _fb: None,
     attention_end: Callable[[int, Any, torch.Tensor | None], None] = lambda _i, _m, _q: None,
+    logits_end: Callable[[Any, Any], None] = lambda _md, _o: None,
 ) -> None:
     """Wraps the runner's decoder stack and hooks its layers.
 
@@ -140,7 +141,9 @@ def install(
     attention_end(i, module, q) after its RadixAttention (``q``: its post-RoPE queries
     # [n, num_heads * head_dim]); all must return quickly when no phase is running.
     on_bypass(fb): an extend batch the executor cannot take (input embeddings, pipeline
-    tensors) runs as SGLang would."""
+    tensors) runs as SGLang would. logits_end(metadata, output) after the model's logits
+    processor (``model_runner.model.logits_processor``, where the model has one) with its
+    ForwardBatch or LogitsMetadata and its LogitsProcessorOutput, on every forward."""
     stack = model_runner.model.model
     if getattr(stack.forward, WRAPPED, None) is not None:
         return  # installed already: the wrapper (our function) names what it wraps
@@ -170,6 +173,11 @@ def install(
 
     setattr(forward, WRAPPED, original)
     stack.forward = forward
+    processor = getattr(model_runner.model, "logits_processor", None)
+    if isinstance(processor, torch.nn.Module):
+        processor.register_forward_hook(
+            lambda _m, a, kw, out: logits_end(_logits_metadata(a, kw), out), with_kwargs=True
+        )
     for i, layer in enumerate(stack.layers):
         layer.register_forward_pre_hook(lambda _m, _a, i=i: layer_start(i))
         layer.register_forward_hook(lambda _m, _a, _o, i=i: layer_end(i))
@@ -184,3 +192,9 @@ def install(
 def radix_attentions(layer: torch.nn.Module) -> list[torch.nn.Module]:
     """The RadixAttention modules of one decoder layer (one in every covered model)."""
     return [m for m in layer.modules() if type(m).__name__ == "RadixAttention"]
+
+
+def _logits_metadata(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ForwardBatch or LogitsMetadata of a ``LogitsProcessor.forward`` call
+    (input_ids, hidden_states, lm_head, logits_metadata, ...), passed either way."""
+    return args[3] if len(args) > 3 else kwargs.get("logits_metadata")

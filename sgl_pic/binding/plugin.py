@@ -59,6 +59,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sgl_pic.binding import radix_cache
+    from sgl_pic.binding.drift_signal import DriftSignal
     from sgl_pic.binding.fingerprint import server_fingerprint
     from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks, restamped
     from sgl_pic.binding.metrics import PicMetrics
@@ -199,7 +200,9 @@ def build_tree_cache(ctx: Any) -> Any:
         deleter,
         marks,
     )
-    runtime = PicRuntime(gate, metrics, executor, phases)
+    runtime = PicRuntime(
+        gate, metrics, executor, phases, DriftSignal(metrics.first_token_entropy.observe)
+    )
     cache.set_split_requests(
         runtime.request_done,
         lambda: executor.split.plans.held_tokens,
@@ -215,6 +218,7 @@ def build_tree_cache(ctx: Any) -> Any:
         phases.layer_end,
         runtime.on_bypass,
         phases.attention_end,
+        runtime.on_logits,
     )
     if (
         type(getattr(runner, "prefill_cuda_graph_runner", None)).__name__

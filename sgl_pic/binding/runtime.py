@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from sgl_pic.binding.drift_signal import DriftSignal
 from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks, Pending
 from sgl_pic.binding.metrics import PicMetrics
 
@@ -48,7 +49,9 @@ class PicRuntime:
     metrics:   the process's ``PicMetrics``.
     executor:  the chunk executor (``engine.executor.ChunkExecutor``), None where reuse is
                off in this process (the gate then honours no marks).
-    phases:    the phase runner the executor runs its forwards through (None with it)."""
+    phases:    the phase runner the executor runs its forwards through (None with it).
+    drift:     reports the first-token entropy of the requests the executor served
+               (``drift_signal``); None: not reported."""
 
     def __init__(
         self,
@@ -56,8 +59,10 @@ class PicRuntime:
         metrics: PicMetrics,
         executor: Any = None,
         phases: Any = None,
+        drift: DriftSignal | None = None,
     ) -> None:
         self.gate = gate
+        self.drift = drift
         self.marks: AdmittedMarks = gate.marks
         self.metrics = metrics
         self.executor = executor
@@ -125,11 +130,16 @@ class PicRuntime:
         executor, phases = self.executor, self.phases
         if executor is None or phases is None or phases.context is not None:
             return None
+        if self.drift is not None:
+            self.drift.mark(())  # no mark of an earlier forward reaches this one's logits
         if forward_batch.extend_prefix_lens_cpu is None:
             return None
         handoff, self._handoff = self._handoff, {}
         try:
-            return executor.forward(stack, input_ids, forward_batch, handoff)
+            hidden = executor.forward(stack, input_ids, forward_batch, handoff)
+            if hidden is not None and self.drift is not None:
+                self.drift.mark(executor.served_rows)
+            return hidden
         except Exception:
             # SGLang kills the whole server when a scheduler raises. Running the batch as
             # SGLang would rewrites every new token's KV from scratch, so whatever the failed
@@ -146,6 +156,12 @@ class PicRuntime:
         # On success the backend's metadata describes the last phase batch; nothing after
         # the decoder stack (the logits processor, sampling) reads it, and the next batch
         # is planned afresh by SGLang.
+
+    def on_logits(self, metadata: Any, output: Any) -> None:
+        """Worker side: after SGLang's logits processor ran (``model_hooks.install``); the
+        requests the last extend served get their first-token entropy (``drift_signal``)."""
+        if self.drift is not None:
+            self.drift.on_logits(metadata, output)
 
     def on_bypass(self, forward_batch: Any) -> None:
         """Worker side: an extend batch the executor cannot take (input embeddings,

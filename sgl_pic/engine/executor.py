@@ -85,7 +85,9 @@ class ChunkExecutor:
     make_room: frees at least n pool slots where it can (SGLang's prefix tree first, then
                chunk nodes: the radix cache's eviction), for slots the executor takes of
                its own; None: chunk nodes only.
-    Worker side: ``forward`` runs on the scheduler's forward thread."""
+    Worker side: ``forward`` runs on the scheduler's forward thread; ``served_rows`` then
+    holds the live batch's indices of the requests it served over reused KV (runs of phase
+    2), until the next ``forward``."""
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class ChunkExecutor:
         make_room: Callable[[int], int] | None = None,
     ) -> None:
         self.config = settings_config
+        self.served_rows: tuple[int, ...] = ()
         self.sync_deletions = sync_deletions
         self.nodes = nodes
         self.lower = lower
@@ -157,6 +160,7 @@ class ChunkExecutor:
         """The batch's hidden states # [n, hidden], or None to let SGLang run it as is.
         ``stack(ids, pos, fb)`` is the decoder stack's own forward; ``handoff`` the verified
         marks of the batch's chunked requests by request id (``PicRuntime.prepare_batch``)."""
+        self.served_rows = ()
         if len(self.promoter):
             self.promoter.finish_ready()
         split = self.split
@@ -179,6 +183,7 @@ class ChunkExecutor:
             split.abandon(specs, pieces)
             raise
         split.commit(specs, pieces, ctx)
+        self.served_rows = tuple(sorted(ctx.runs))
         return hidden
 
     def _attempts(self, specs: dict[int, ChunkSpec], ctx: BatchContext) -> torch.Tensor:

@@ -223,9 +223,7 @@ class Oracle:
             raise ValueError("the computed set must include the last token (its logits)")
         kv = assembled.clone()
         hook = None if on_queries is None else (lambda li, q: on_queries(li, q, kv))
-        out = forward_tokens(
-            self.w, token_ids[idx], idx, idx, kv, torch.arange(n), on_queries=hook
-        )
+        out = forward_tokens(self.w, token_ids[idx], idx, idx, kv, torch.arange(n), on_queries=hook)
         return ReuseResult(kv, logits_of(self.w, out.hidden[-1:])[0], computed)
 
     def reuse(

@@ -19,6 +19,7 @@ BEFORE = json.loads((Path(__file__).parent / "data" / "metric_series_f33133e.jso
 # first piece (``engine.pieces``), so such a piece is no longer a fallback; two counters
 # say how often a request was split and how many pieces ran.
 ADDED = ("split_requests", "pieces")
+# And at the end, the first-token entropy of requests served by reuse (``since``).
 HELP = {
     "fallbacks": "Chunked request pieces run without reuse (input logprobs, or no scratch row "
     "or slots to plan a request split into prefill pieces)",
@@ -37,6 +38,18 @@ def since() -> list[dict[str, Any]]:
                 ADDED, ("sgl_pic_split_requests", "sgl_pic_prefill_pieces"), strict=True
             ):
                 out.append({**entry, "attr": attr, "name": name, "help": None})
+    # Issue 46: the served drift signal's distribution.
+    out.append(
+        {
+            "attr": "first_token_entropy",
+            "name": "sgl_pic_first_token_entropy",
+            "kind": "histogram",
+            "help": None,
+            "labels": [],
+            "multiprocess_mode": None,
+            "buckets": [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf],
+        }
+    )
     return out
 
 
@@ -69,7 +82,7 @@ def test_each_declaration_is_registered_once(metrics: Any) -> None:
     exported = {f.name for f in REGISTRY.collect() if f.name.startswith("sgl_pic_")}
     declared = {s.name for _, s in declared_series()}
     assert declared <= exported
-    assert len(declared) == len(declared_series()) == len(BEFORE["series"]) + len(ADDED)
+    assert len(declared) == len(declared_series()) == len(BEFORE["series"]) + len(ADDED) + 1
 
 
 def test_an_attribute_is_its_declaration_on_the_class_and_its_object_on_an_instance(

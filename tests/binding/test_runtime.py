@@ -67,6 +67,7 @@ def test_every_hook_and_runtime_method_names_its_side() -> None:
         "keeps_off_prefill_graph",
         "on_bypass",
         "on_extend",
+        "on_logits",
         "prepare_batch",
         "request_done",
         "runs_phase",

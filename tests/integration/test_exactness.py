@@ -11,10 +11,13 @@ recomputing all of it), while the chunk store is shared and later variants hit i
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterator
 
 import pytest
 
+from sgl_pic.binding.drift_signal import META_KEY
 from tests.support.prompts import body, chunked
 from tests.support.server import Server, launch
 
@@ -47,15 +50,21 @@ KEYS = (
 DARIC_ALL = {"policy": "daric", "daric_n_avg": 4096.0}
 
 
+ENTROPY_COUNT = "sgl_pic_first_token_entropy_count"
 FORWARD = 'sgl_pic_forward_seconds_total{mode="%s"}'
 FORWARDS = 'sgl_pic_forwards_total{mode="%s"}'
 REQUESTS = 'sgl_pic_forward_requests_total{mode="%s"}'
 
 
 @pytest.fixture(scope="module")
-def vanilla_run() -> tuple[list[list[int]], dict[str, float]]:
-    """Vanilla's outputs, and the /metrics series it moved (``forward_timer`` runs on
-    ``--pic-disable`` too: bench/workloads.py's ideal reads it there)."""
+def vanilla_all() -> tuple[list[list[int]], dict[str, float], float]:
+    """Vanilla's outputs, the /metrics series they moved (``forward_timer`` runs on
+    ``--pic-disable`` too: bench/workloads.py's ideal reads it there), and, after those,
+    the entropy of the first case's first-token distribution from its log-probabilities of
+    every token of the vocabulary."""
+    from sgl_pic.model.embedded import ensure_embedded_model
+
+    vocab = json.loads((ensure_embedded_model().path / "config.json").read_text())["vocab_size"]
     with launch("--pic-disable", "--enable-metrics") as server:
         before = server.metrics()
         outs = []
@@ -64,13 +73,33 @@ def vanilla_run() -> tuple[list[list[int]], dict[str, float]]:
             r = server.generate(body(toks, None, n=16))
             assert r.status_code == 200, r.text
             outs.append(r.json()["output_ids"])
+            assert META_KEY not in r.json()["meta_info"]  # served by reuse only
         after = server.metrics()
-        return outs, {k: v - before.get(k, 0.0) for k, v in after.items()}
+        req = body(chunked(*CASES[0])[0], None, n=1)
+        req.update(return_logprob=True, top_logprobs_num=vocab)
+        r = server.generate(req)
+        assert r.status_code == 200, r.text
+        logp = [entry[0] for entry in r.json()["meta_info"]["output_top_logprobs"][0]]
+    assert len(logp) == vocab
+    entropy = -sum(math.exp(lp) * lp for lp in logp)
+    return outs, {k: v - before.get(k, 0.0) for k, v in after.items()}, entropy
+
+
+@pytest.fixture(scope="module")
+def vanilla_run(
+    vanilla_all: tuple[list[list[int]], dict[str, float], float],
+) -> tuple[list[list[int]], dict[str, float]]:
+    return vanilla_all[0], vanilla_all[1]
 
 
 @pytest.fixture(scope="module")
 def vanilla_outputs(vanilla_run: tuple[list[list[int]], dict[str, float]]) -> list[list[int]]:
     return vanilla_run[0]
+
+
+@pytest.fixture(scope="module")
+def vanilla_entropy(vanilla_all: tuple[list[list[int]], dict[str, float], float]) -> float:
+    return vanilla_all[2]
 
 
 def test_vanilla_server_times_its_forwards_by_kind(
@@ -132,6 +161,7 @@ def _selects_everything(toks: list[int], spans: list[list[int]], overrides: dict
 )
 def test_full_budget_equals_vanilla(
     vanilla_outputs: list[list[int]],
+    vanilla_entropy: float,
     full_budget_server: Server,
     overrides: dict,
     first_token_fresh: bool,
@@ -141,6 +171,7 @@ def test_full_budget_equals_vanilla(
     namespace = "exactness-" + "-".join(f"{k}={v}" for k, v in overrides.items())
     before = server.metrics()
     total_tokens = 0
+    entropies: list[float] = []
     for (names, question), expected in zip(CASES, vanilla_outputs, strict=True):
         toks, spans = _spans(names, question, first_token_fresh)
         if overrides.get("policy") == "daric":
@@ -151,6 +182,10 @@ def test_full_budget_equals_vanilla(
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["output_ids"] == expected, (overrides, names, question)
+        # The drift signal of a request served by reuse: its first token's entropy.
+        (served_entropy,) = out["meta_info"][META_KEY]
+        assert math.isfinite(served_entropy) and served_entropy >= 0.0, out["meta_info"]
+        entropies.append(served_entropy)
         # Nothing came from the device prefix: the whole prompt ran through reuse.
         assert out["meta_info"]["cached_tokens"] == 0, (names, out["meta_info"])
         total_tokens += len(toks)
@@ -169,3 +204,8 @@ def test_full_budget_equals_vanilla(
     assert d["sgl_pic_new_tokens_total"] == total_tokens
     assert d["sgl_pic_recomputed_tokens_total"] == d["sgl_pic_new_tokens_total"]
     assert d["sgl_pic_reused_tokens_total"] == 0
+    # At 100% the served distribution is exact prefill's: so is its entropy (up to the
+    # order of floating-point sums), and the histogram took one value per request.
+    assert entropies[0] == pytest.approx(vanilla_entropy, rel=1e-3, abs=1e-4)
+    moved = after.get(ENTROPY_COUNT, 0.0) - before.get(ENTROPY_COUNT, 0.0)
+    assert moved == len(CASES)
