@@ -28,7 +28,10 @@ them) and query_aware budget (``--ratios``):
 The truth is first-token KL to exact prefill. Log-linear fits on the first
 ``--fit-examples`` examples (``drift_estimate.fit``) are judged on the others by Spearman
 rank correlation with true KL, within each budget (what a per-request target needs) and
-over all pairs; each signal's own held-out correlation is reported beside them.
+over all pairs; each signal's own held-out correlation is reported beside them. The
+entropy, the best of them, then drives ``bench/drift_target.py``'s budget ladder on the
+held-out examples (a request moves up a budget while its estimate misses the target),
+beside the same ladder driven by the true KL.
 
     python bench/drift_after.py --first 0 --examples 20 --threads 1 --out a.json
     python bench/drift_after.py --first 20 --examples 20 --threads 1 --out b.json
@@ -39,10 +42,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +62,7 @@ from _common import (  # noqa: E402
     add_out_option,
     git_state,
     load_oracle_model,
+    percentile,
     write_json,
 )
 from drift_estimate import fit, judge, spearman  # noqa: E402
@@ -82,6 +88,9 @@ SIGNALS = (
     "top1_margin",
     "distance_to_full_reuse",
 )
+EPS = 1e-6
+FIXED = "query_aware 0.15"  # the server's default budget, the fixed-ratio reference
+TARGETS = (0.03, 0.05, 0.075, 0.1, 0.13)  # first-token KL targets of the ladder
 # Candidate estimators: what a server could return without exact prefill. The last needs
 # a second pass (full reuse); the others only the recompute pass's own tensors.
 ESTIMATORS: dict[str, tuple[str, ...]] = {
@@ -213,6 +222,7 @@ def run_example(
                 "config": f"query_aware {ratio:g}",
                 "num_tokens": layout.num_tokens,
                 "kl": first_token_kl(full.logits, res.logits),
+                "recompute_fraction": recomputed.numel() / max(candidates.numel(), 1),
                 "distance_to_full_reuse": first_token_kl(res.logits, reuse_logits),
                 **confidence(res.logits),
                 **after_signals(seen, change, recomputed, reused, chunk_of, len(layout.chunks)),
@@ -228,6 +238,52 @@ def within(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
         sub = [r for r in rows if r["config"] == config]
         out[config] = spearman([r[key] for r in sub], [r["kl"] for r in sub])
     return out
+
+
+def rung_fit(rows: list[dict[str, Any]], key: str) -> tuple[dict[str, float], float]:
+    """Least squares of log KL on log(``key``) with one intercept per budget: (intercepts
+    by config, slope)."""
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    cols = [[1.0 if r["config"] == c else 0.0 for r in rows] for c in configs]
+    cols.append([math.log(r[key] + EPS) for r in rows])
+    x = torch.tensor(cols, dtype=torch.float64).T
+    y = torch.tensor([math.log(r["kl"] + EPS) for r in rows], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
+    return dict(zip(configs, coef[:-1], strict=True)), coef[-1]
+
+
+def ladder(
+    rows: list[dict[str, Any]],
+    estimate: Callable[[dict[str, Any]], float],
+    target: float,
+) -> dict[str, Any]:
+    """A drift target served by a budget ladder: each example runs at its lowest budget and
+    moves up while ``estimate`` misses ``target``, to exact prefill past the top (KL 0)."""
+    by_example: dict[int, list[dict[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: r["recompute_fraction"]):
+        by_example.setdefault(r["example"], []).append(r)
+    kls, served, tried = [], [], []
+    for rungs in by_example.values():
+        spent = 0.0
+        for r in rungs:
+            spent += r["recompute_fraction"]
+            if estimate(r) <= target:
+                kls.append(r["kl"])
+                served.append(r["recompute_fraction"])
+                break
+        else:
+            spent += 1.0
+            kls.append(0.0)
+            served.append(1.0)
+        tried.append(spent)
+    return {
+        "target": target,
+        "met": statistics.fmean(k <= target for k in kls),
+        "recompute_served": statistics.fmean(served),
+        "recompute_tried": statistics.fmean(tried),
+        "kl_mean": statistics.fmean(kls),
+        "kl_p90": percentile(kls, 0.9),
+    }
 
 
 def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict[str, Any]:
@@ -250,6 +306,31 @@ def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict
         out["signals_held_out_within"][key] = {
             "per_config": w,
             "mean": statistics.fmean(w.values()),
+        }
+    # The ladder of bench/drift_target.py with the entropy as its estimate (one intercept
+    # per budget), and with the true KL as the bound any estimator could reach.
+    if all("recompute_fraction" in r for r in rows):
+        intercepts, slope = rung_fit(fitted, "entropy")
+        fixed = [r for r in held if r["config"] == FIXED]
+        out["ladder"] = {
+            "fixed": {
+                "config": FIXED,
+                "recompute": statistics.fmean(r["recompute_fraction"] for r in fixed),
+                "kl_mean": statistics.fmean(r["kl"] for r in fixed),
+                "kl_p90": percentile([r["kl"] for r in fixed], 0.9),
+            },
+            "entropy_fit": {"intercepts": intercepts, "slope": slope},
+            "entropy": [
+                ladder(
+                    held,
+                    lambda r: math.exp(
+                        intercepts[r["config"]] + slope * math.log(r["entropy"] + EPS)
+                    ),
+                    t,
+                )
+                for t in TARGETS
+            ],
+            "true": [ladder(held, lambda r: r["kl"], t) for t in TARGETS],
         }
     return out
 
@@ -325,6 +406,20 @@ def main(argv: list[str] | None = None) -> int:
             )
         for key, s in result["analysis"]["signals_held_out_within"].items():
             print(f"  {key:26s} alone, held out within a budget {s['mean']:+.3f}")
+        lad = result["analysis"].get("ladder")
+        if lad is not None:
+            f = lad["fixed"]
+            print(
+                f"fixed {f['config']}: recompute {f['recompute']:.3f}, KL mean "
+                f"{f['kl_mean']:.4f}, p90 {f['kl_p90']:.4f}"
+            )
+            for name in ("entropy", "true"):
+                for e in lad[name]:
+                    print(
+                        f"  ladder by {name:7s} target {e['target']:.3f}: met {e['met']:.2f}, "
+                        f"recompute {e['recompute_served']:.3f} "
+                        f"(tried {e['recompute_tried']:.3f}), KL p90 {e['kl_p90']:.4f}"
+                    )
     result["wall_s"] = time.perf_counter() - started
     result["rows"] = rows
     write_json(args.out, result)

@@ -3,6 +3,7 @@ one selection, and an analysis that finds a signal which follows KL and one whic
 
 from __future__ import annotations
 
+import math
 import random
 from types import ModuleType
 
@@ -102,3 +103,38 @@ def test_confidence(study: ModuleType) -> None:
     peaked = study.confidence(torch.tensor([10.0, 0.0, 0.0, 0.0]))
     assert peaked["entropy"] < 0.01
     assert peaked["top1_margin"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_rung_fit_recovers_a_law_with_one_intercept_per_budget(study: ModuleType) -> None:
+    rows = [
+        {"config": c, "entropy": h, "kl": math.exp(a + 1.5 * math.log(h))}
+        for c, a in (("low", -1.0), ("high", -3.0))
+        for h in (0.2, 0.5, 1.0, 2.0)
+    ]
+    intercepts, slope = study.rung_fit(rows, "entropy")
+    assert slope == pytest.approx(1.5, abs=1e-4)
+    assert intercepts["low"] == pytest.approx(-1.0, abs=1e-4)
+    assert intercepts["high"] == pytest.approx(-3.0, abs=1e-4)
+
+
+def test_ladder_climbs_until_the_estimate_meets_the_target(study: ModuleType) -> None:
+    def row(ex: int, frac: float, kl: float) -> dict:
+        return {"example": ex, "recompute_fraction": frac, "kl": kl}
+
+    rows = [
+        row(0, 0.1, 0.05),  # met at the first rung
+        row(0, 0.3, 0.01),
+        row(1, 0.1, 0.20),
+        row(1, 0.3, 0.08),  # met at the second
+        row(2, 0.3, 0.50),  # never met: exact prefill
+        row(2, 0.1, 0.90),
+    ]
+    out = study.ladder(rows, lambda r: r["kl"], 0.1)
+    assert out["met"] == 1.0
+    assert out["recompute_served"] == pytest.approx((0.1 + 0.3 + 1.0) / 3)
+    assert out["recompute_tried"] == pytest.approx((0.1 + 0.4 + 1.4) / 3)
+    assert out["kl_mean"] == pytest.approx((0.05 + 0.08 + 0.0) / 3)
+    # An estimate that is always too low serves the first rung whatever its KL.
+    low = study.ladder(rows, lambda r: 0.0, 0.1)
+    assert low["met"] == pytest.approx(1 / 3)
+    assert low["recompute_served"] == pytest.approx(0.1)
