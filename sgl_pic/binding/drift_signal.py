@@ -13,7 +13,9 @@ After SGLang's logits processor ran an extend batch whose requests the chunk exe
 served (``mark``), those requests' next-token logits give their entropies; they go into
 the processor's output as ``customized_info`` (SGLang's own per-request channel into
 ``meta_info``) under ``META_KEY``, None for the batch's other requests, and into the
-``sgl_pic_first_token_entropy`` histogram.
+``sgl_pic_first_token_entropy`` histogram. ``meta_info`` carries floats, so a batch with
+such requests waits once for its logits on the host, where SGLang's sampling reads them
+next; batches without any add nothing.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class DriftSignal:
         if META_KEY in info:
             logger.warning("sgl_pic: the model's logits output has %s already", META_KEY)
             return
-        # One host copy: meta_info carries floats; the sampler reads the logits next anyway.
+        # The one host read (module doc).
         values = entropy(logits[list(rows)]).tolist()
         column: list[float | None] = [None] * n
         for r, v in zip(rows, values, strict=True):
