@@ -106,6 +106,31 @@ def test_recompute_does_not_modify_assembled_or_cached_chunk(tiny_oracle: Oracle
     assert torch.equal(chunks[1].kv.k, cached_k)
 
 
+def test_recompute_shows_each_layers_queries_with_the_kv_as_it_stands(
+    tiny_oracle: Oracle,
+) -> None:
+    ids = _ids(30, seed=12)
+    layout = PromptLayout.from_lengths([10, 12], fresh_tail=8)
+    chunks = [tiny_oracle.encode_chunk(ids[s.start : s.end]) for s in layout.chunks]
+    assembled = tiny_oracle.assemble(ids, layout, chunks)
+    computed = finalize(as_selection([10, 11]), layout)
+    idx = computed.indices
+    seen: list[int] = []
+
+    def look(layer: int, q: torch.Tensor, kv) -> None:  # q: [len(computed), H, D]
+        seen.append(layer)
+        assert q.shape[0] == idx.numel()
+        # This layer's K of the computed rows are written; the next layer's are not yet.
+        assert not torch.equal(kv.k[layer, 10], assembled.k[layer, 10]) or layer == 0
+        if layer + 1 < tiny_oracle.w.num_layers:
+            assert torch.equal(kv.k[layer + 1, 10], assembled.k[layer + 1, 10])
+
+    plain = tiny_oracle.recompute(ids, assembled, computed)
+    hooked = tiny_oracle.recompute(ids, assembled, computed, on_queries=look)
+    assert seen == list(range(tiny_oracle.w.num_layers))
+    assert torch.equal(plain.logits, hooked.logits)
+
+
 def test_assembly_rejects_other_tokens(tiny_oracle: Oracle) -> None:
     ids = _ids(30, seed=10)
     layout = PromptLayout.from_lengths([10, 12], fresh_tail=8)
