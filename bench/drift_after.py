@@ -65,14 +65,15 @@ from _common import (  # noqa: E402
     percentile,
     write_json,
 )
-from drift_estimate import fit, judge, spearman  # noqa: E402
+from drift_estimate import fit, judge, prepare, spearman  # noqa: E402
+from drift_target import Fit, climb, fit_law  # noqa: E402
 
 from sgl_pic.config import PicConfig  # noqa: E402
 from sgl_pic.fidelity import first_token_kl  # noqa: E402
 from sgl_pic.layout import PromptLayout  # noqa: E402
 from sgl_pic.oracle import Oracle  # noqa: E402
 from sgl_pic.oracle.forward import KVCache  # noqa: E402
-from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
+from sgl_pic.prompts import load_rag_examples  # noqa: E402
 from sgl_pic.selection import SelectionContext, finalize, make_policy  # noqa: E402
 from sgl_pic.selection.cacheblend import reused_candidates  # noqa: E402
 from sgl_pic.selection.query_aware import query_positions, question_attention  # noqa: E402
@@ -184,14 +185,8 @@ def _scorer(
 def run_example(
     oracle: Oracle, tokenizer: Any, ex: Any, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    passages = [truncate_tokens(tokenizer, p, args.passage_tokens) for p in ex.passages]
-    prompt = build_prompt(tokenizer, passages[: args.passages], ex.question)
-    ids, layout = prompt.token_ids, prompt.layout
-    full = oracle.prefill(ids)
-    chunks = [oracle.encode_chunk(ids[s.start : s.end]) for s in layout.chunks]
-    assembled = oracle.assemble(ids, layout, chunks)
+    ids, layout, full, chunks, assembled, attention = prepare(oracle, tokenizer, ex, args)
     base = PicConfig()
-    attention = oracle.query_attention(ids, layout, assembled, base.qa_layers)
     ctx = SelectionContext(
         layout=layout,
         rankings=tuple(c.ranking for c in chunks),
@@ -240,16 +235,10 @@ def within(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
     return out
 
 
-def rung_fit(rows: list[dict[str, Any]], key: str) -> tuple[dict[str, float], float]:
-    """Least squares of log KL on log(``key``) with one intercept per budget: (intercepts
-    by config, slope)."""
+def rung_fit(rows: list[dict[str, Any]], key: str) -> Fit:
+    """``drift_target.fit_law`` of log KL on log(``key``) with one intercept per config."""
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    cols = [[1.0 if r["config"] == c else 0.0 for r in rows] for c in configs]
-    cols.append([math.log(r[key] + EPS) for r in rows])
-    x = torch.tensor(cols, dtype=torch.float64).T
-    y = torch.tensor([math.log(r["kl"] + EPS) for r in rows], dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
-    return dict(zip(configs, coef[:-1], strict=True)), coef[-1]
+    return fit_law(rows, configs, "config", lambda r: r[key] + EPS)
 
 
 def ladder(
@@ -257,33 +246,13 @@ def ladder(
     estimate: Callable[[dict[str, Any]], float],
     target: float,
 ) -> dict[str, Any]:
-    """A drift target served by a budget ladder: each example runs at its lowest budget and
-    moves up while ``estimate`` misses ``target``, to exact prefill past the top (KL 0)."""
+    """``drift_target.climb`` over this study's rows: each example runs at its lowest
+    budget and moves up while ``estimate`` misses ``target``, to exact prefill past the
+    top (KL 0)."""
     by_example: dict[int, list[dict[str, Any]]] = {}
     for r in sorted(rows, key=lambda r: r["recompute_fraction"]):
         by_example.setdefault(r["example"], []).append(r)
-    kls, served, tried = [], [], []
-    for rungs in by_example.values():
-        spent = 0.0
-        for r in rungs:
-            spent += r["recompute_fraction"]
-            if estimate(r) <= target:
-                kls.append(r["kl"])
-                served.append(r["recompute_fraction"])
-                break
-        else:
-            spent += 1.0
-            kls.append(0.0)
-            served.append(1.0)
-        tried.append(spent)
-    return {
-        "target": target,
-        "met": statistics.fmean(k <= target for k in kls),
-        "recompute_served": statistics.fmean(served),
-        "recompute_tried": statistics.fmean(tried),
-        "kl_mean": statistics.fmean(kls),
-        "kl_p90": percentile(kls, 0.9),
-    }
+    return climb(by_example.values(), estimate, target)
 
 
 def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict[str, Any]:

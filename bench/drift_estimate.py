@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -99,18 +99,38 @@ def signals(
     }
 
 
-def run_example(
-    oracle: Oracle, tokenizer: Any, ex: Any, args: argparse.Namespace
-) -> list[dict[str, Any]]:
+class Prepared(NamedTuple):
+    """One MuSiQue example as the studies run it: its prompt, exact prefill, independently
+    encoded chunks assembled at their places, and the probe's question attention at the
+    default's layers (one per request: the selection does not change it)."""
+
+    ids: torch.Tensor  # [N]
+    layout: PromptLayout
+    full: Any  # Oracle.prefill's FullPrefill
+    chunks: list[Any]  # ChunkKV per chunk span
+    assembled: Any  # KVCache, [num_layers, N, num_kv_heads, head_dim] each
+    attention: torch.Tensor  # [N]
+
+
+def prepare(oracle: Oracle, tokenizer: Any, ex: Any, args: argparse.Namespace) -> Prepared:
+    """The prompt of ``bench/fidelity.py`` (``args.passages`` passages of at most
+    ``args.passage_tokens`` tokens) for ``ex``, and what every budget shares."""
     passages = [truncate_tokens(tokenizer, p, args.passage_tokens) for p in ex.passages]
     prompt = build_prompt(tokenizer, passages[: args.passages], ex.question)
     ids, layout = prompt.token_ids, prompt.layout
     full = oracle.prefill(ids)
     chunks = [oracle.encode_chunk(ids[s.start : s.end]) for s in layout.chunks]
     assembled = oracle.assemble(ids, layout, chunks)
+    attention = oracle.query_attention(ids, layout, assembled, PicConfig().qa_layers)
+    return Prepared(ids, layout, full, chunks, assembled, attention)
+
+
+def run_example(
+    oracle: Oracle, tokenizer: Any, ex: Any, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    ids, layout, full, chunks, assembled, attention = prepare(oracle, tokenizer, ex, args)
     base = PicConfig()
-    # One probe and one deviation per request: the selection does not change them.
-    attention = oracle.query_attention(ids, layout, assembled, base.qa_layers)
+    # One deviation per request: the selection does not change it.
     deviation = oracle.first_layer_deviation(ids, layout, assembled)
     ctx = SelectionContext(
         layout=layout,

@@ -25,6 +25,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -62,12 +63,23 @@ def _signal(row: dict[str, Any], estimator: str) -> float:
 
 def fit(rows: list[dict[str, Any]], estimator: str) -> Fit:
     """Least squares of log KL on log(signal) with one intercept per rung."""
-    cols = [[1.0 if r["variant"] == rung else 0.0 for r in rows] for rung in LADDER]
-    cols.append([math.log(_signal(r, estimator)) for r in rows])
+    return fit_law(rows, LADDER, "variant", lambda r: _signal(r, estimator))
+
+
+def fit_law(
+    rows: list[dict[str, Any]],
+    rungs: Sequence[str],
+    rung_key: str,
+    signal: Callable[[dict[str, Any]], float],
+) -> Fit:
+    """Least squares of log KL on log(``signal(row)``) (positive), with one intercept per
+    rung (``row[rung_key]``, one of ``rungs``)."""
+    cols = [[1.0 if r[rung_key] == rung else 0.0 for r in rows] for rung in rungs]
+    cols.append([math.log(signal(r)) for r in rows])
     x = torch.tensor(cols, dtype=torch.float64).T
     y = torch.tensor([math.log(r["kl"] + EPS) for r in rows], dtype=torch.float64)
     coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
-    return Fit(dict(zip(LADDER, coef[:-1], strict=True)), coef[-1])
+    return Fit(dict(zip(rungs, coef[:-1], strict=True)), coef[-1])
 
 
 def estimate(row: dict[str, Any], estimator: str, f: Fit) -> float:
@@ -97,14 +109,30 @@ def ladder(
     by_example: dict[int, dict[str, dict[str, Any]]], estimator: str, f: Fit, target: float
 ) -> dict[str, Any]:
     """Every example climbs the ladder until its estimate is at most ``target``."""
+    return climb(
+        ([rows[rung] for rung in LADDER] for rows in by_example.values()),
+        lambda row: estimate(row, estimator, f),
+        target,
+    )
+
+
+def climb(
+    rungs_by_example: Iterable[Sequence[dict[str, Any]]],
+    estimate_of: Callable[[dict[str, Any]], float],
+    target: float,
+) -> dict[str, Any]:
+    """A drift target served by a budget ladder: each example's rungs (lowest budget first)
+    are tried in turn until ``estimate_of(row)`` is at most ``target``; past the last,
+    exact prefill (KL 0, all recomputed). Share of examples that meet the target, mean
+    recomputed fraction of the rung served and of every rung tried, KL mean and p90."""
     served_kl, served_frac, tried_frac = [], [], []
-    for rows in by_example.values():
+    for rows in rungs_by_example:
         tried = 0.0
-        for rung in LADDER:
-            tried += rows[rung]["recompute_fraction"]
-            if estimate(rows[rung], estimator, f) <= target:
-                served_kl.append(rows[rung]["kl"])
-                served_frac.append(rows[rung]["recompute_fraction"])
+        for row in rows:
+            tried += row["recompute_fraction"]
+            if estimate_of(row) <= target:
+                served_kl.append(row["kl"])
+                served_frac.append(row["recompute_fraction"])
                 break
         else:  # no rung meets it: exact prefill
             tried += 1.0
