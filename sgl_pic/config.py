@@ -25,6 +25,9 @@ from sgl_pic.declare import (
 from sgl_pic.registry import POLICIES
 
 MTAF_NAMES: tuple[str, ...] = ("linear", "log", "exp")
+# What a chunk's stored KV is encoded after (``chunk_context``): nothing, or the prompt's
+# tokens through its first chunk (``gate.Pending.context_of``).
+CHUNK_CONTEXTS: tuple[str, ...] = ("none", "first_chunk")
 # The settings each policy's selection reads: requests that agree on them build the same
 # approximation, so they may share prefix KV (see ``approximation_key``).
 POLICY_FIELDS: dict[str, tuple[str, ...]] = {
@@ -158,6 +161,16 @@ class PicConfig:
         check=in_range(1, MAX_QA_LAYERS),
         override=Override.CONFIG,
     )
+    chunk_context: str = setting(
+        "none",
+        "what each chunk past a prompt's first is encoded after: none (alone, from position "
+        "0) or first_chunk (after the prompt's tokens through its first chunk, a shared "
+        "prefix such as a system prompt; the chunk's key names those tokens, so it is "
+        "reused only behind the same ones)",
+        flag="--pic-chunk-context",
+        choices=CHUNK_CONTEXTS,
+        check=one_of(CHUNK_CONTEXTS, "chunk context", "contexts"),
+    )
     segment_tokens: int = setting(
         256,
         "longest cached segment (DARIC 3.3.2), tokens; longer chunks are cut into windows",
@@ -205,6 +218,12 @@ class PicConfig:
                 # 32 and 32.0 are one budget: one value, one approximation key.
                 object.__setattr__(self, f.name, float(value))
         check_declared(self, CONFIG_SETTINGS)
+        if self.chunk_context != "none" and self.page_size != 1:
+            # Phase 1 lays a chunk's slots right after its context's in a request-table
+            # row; with pages, a context that ends inside one would misalign them.
+            raise ValueError(
+                f"chunk_context {self.chunk_context!r} needs page size 1, got {self.page_size}"
+            )
 
     @property
     def exact(self) -> bool:
@@ -221,6 +240,9 @@ class PicConfig:
         if self.exact:
             return "exact"
         values = [repr(getattr(self, f)) for f in POLICY_FIELDS[self.policy]]
+        if self.chunk_context != "none":
+            # Chunks encoded after another context hold other KV.
+            values.append(f"context={self.chunk_context}")
         return ",".join([self.policy, *values])
 
     def with_overrides(self, **overrides: Any) -> PicConfig:

@@ -16,6 +16,10 @@ Every key also names the request's isolation namespace (its tenant: SGLang's
 ``extra_key`` and ``cache_salt``, see ``sgl_pic.engine.tenants``), so a chunk one
 tenant stored is never found by another, in any tier; requests without either share the
 default namespace "".
+
+A chunk encoded after other tokens (``PicConfig.chunk_context``) holds K/V that depend on
+them: its key also names a digest of those tokens (``context``), so it is found only
+behind the same ones; "" is a chunk encoded alone, whose keys are unchanged.
 """
 
 from __future__ import annotations
@@ -118,27 +122,38 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
 
 
-def _root(fingerprint: ModelFingerprint, namespace: str) -> str:
+def _root(fingerprint: ModelFingerprint, namespace: str, context: str = "") -> str:
     """Where a namespace's key chains start: the fingerprint's digest for the default
     namespace, else a digest of it and the namespace (length-prefixed, so no two
-    (fingerprint, namespace) pairs share bytes)."""
+    (fingerprint, namespace) pairs share bytes); a chunk encoded after a context starts
+    from a digest of that root and the context's."""
     if not namespace:
-        return fingerprint.digest()
+        root = fingerprint.digest()
+    else:
+        h = hashlib.sha256()
+        h.update(b"sgl_pic.namespace\0")
+        h.update(fingerprint.digest().encode())
+        encoded = namespace.encode()
+        h.update(len(encoded).to_bytes(8, "little") + encoded)
+        root = h.hexdigest()
+    if not context:
+        return root
     h = hashlib.sha256()
-    h.update(b"sgl_pic.namespace\0")
-    h.update(fingerprint.digest().encode())
-    encoded = namespace.encode()
+    h.update(b"sgl_pic.context\0")
+    h.update(root.encode())
+    encoded = context.encode()
     h.update(len(encoded).to_bytes(8, "little") + encoded)
     return h.hexdigest()
 
 
 def chunk_digest(
-    token_ids: Sequence[int], fingerprint: ModelFingerprint, namespace: str = ""
+    token_ids: Sequence[int], fingerprint: ModelFingerprint, namespace: str = "", context: str = ""
 ) -> str:
-    """SHA-256 key of a whole chunk of ``namespace`` ("" the default one)."""
+    """SHA-256 key of a whole chunk of ``namespace`` ("" the default one), encoded after
+    the tokens ``context`` digests ("" alone)."""
     h = hashlib.sha256()
     h.update(b"sgl_pic.chunk\0")
-    h.update(_root(fingerprint, namespace).encode())
+    h.update(_root(fingerprint, namespace, context).encode())
     h.update(len(token_ids).to_bytes(8, "little"))
     h.update(_token_bytes(token_ids))
     return h.hexdigest()
@@ -149,15 +164,17 @@ def segment_keys(
     fingerprint: ModelFingerprint,
     segment_tokens: int = 256,
     namespace: str = "",
+    context: str = "",
 ) -> tuple[SegmentKey, ...]:
     """Chained keys of the segments of one chunk of ``namespace`` ("" the default one),
-    in order; the chain starts from the namespace's root, so no segment key of one
-    namespace is a key of another."""
+    encoded after the tokens ``context`` digests ("" alone), in order; the chain starts
+    from the root of both, so no segment key of one namespace or context is a key of
+    another."""
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
     if len(token_ids) == 0:
         raise ValueError("a chunk needs at least one token")
-    parent = _root(fingerprint, namespace)
+    parent = _root(fingerprint, namespace, context)
     keys: list[SegmentKey] = []
     for start in range(0, len(token_ids), segment_tokens):
         seg = token_ids[start : start + segment_tokens]

@@ -85,8 +85,8 @@ def test_requests_may_override_what_they_could_before() -> None:
     } == REQUEST_OVERRIDES  # fmt: skip
     # Server-only: they change how chunks are keyed, bounded or ranked when stored.
     assert {s.name for s in CONFIG_SETTINGS if s.override is Override.NONE} == {
-        "cachetune_alpha", "segment_tokens", "page_size", "delimiter", "max_chunks",
-        "min_chunk_tokens", "auto_chunk_min_tokens",
+        "cachetune_alpha", "chunk_context", "segment_tokens", "page_size", "delimiter",
+        "max_chunks", "min_chunk_tokens", "auto_chunk_min_tokens",
     }  # fmt: skip
 
 
@@ -100,3 +100,14 @@ def test_floats_are_one_value_whatever_their_spelling() -> None:
     assert PicConfig(daric_n_avg=32) == PicConfig(daric_n_avg=32.0)
     assert type(PicConfig(qa_ratio=1).qa_ratio) is float
     assert PicConfig(qa_ratio=1).exact and PicConfig(policy="full_recompute").exact
+
+
+def test_chunk_context_is_checked_and_names_its_approximation() -> None:
+    with pytest.raises(ValueError, match="unknown chunk context 'system'"):
+        PicConfig(chunk_context="system")
+    with pytest.raises(ValueError, match="needs page size 1"):
+        PicConfig(chunk_context="first_chunk", page_size=16)
+    # Chunks encoded after their first chunk are other KV: no prefix shared with alone.
+    alone, after = PicConfig(), PicConfig(chunk_context="first_chunk")
+    assert alone.approximation_key() != after.approximation_key()
+    assert after.with_overrides(qa_ratio=1.0).approximation_key() == "exact"

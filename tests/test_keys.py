@@ -126,3 +126,19 @@ def test_keys_name_the_namespace_and_version_3_keys_are_never_found() -> None:
     h.update((256).to_bytes(8, "little"))
     h.update(b"".join(t.to_bytes(4, "little") for t in toks[:256]))
     assert h.hexdigest() not in {k.digest for ks in seg.values() for k in ks}
+
+
+def test_keys_name_the_encoding_context_and_alone_keeps_the_old_keys() -> None:
+    """A chunk encoded after other tokens is another chunk in every namespace; encoded
+    alone ("" context) its keys are the ones made before contexts existed."""
+    toks = list(range(300))
+    a, b = "a" * 64, "b" * 64
+    keys = {
+        (ns, ctx): segment_keys(toks, FP, 256, ns, ctx) for ns in ("", "t") for ctx in ("", a, b)
+    }
+    digests = [k.digest for ks in keys.values() for k in ks]
+    assert len(set(digests)) == len(digests) == 2 * len(keys)
+    assert keys[("", "")] == segment_keys(toks, FP, 256)
+    assert keys[("t", "")] == segment_keys(toks, FP, 256, "t")
+    assert len({chunk_digest(toks, FP, ns, ctx) for ns, ctx in keys}) == len(keys)
+    assert chunk_digest(toks, FP, "t", "") == chunk_digest(toks, FP, "t")

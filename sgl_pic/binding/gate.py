@@ -49,6 +49,7 @@ from sgl_pic.http.spans import (
     has_marks,
 )
 from sgl_pic.layout import LayoutError
+from sgl_pic.store.base import hash_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,43 @@ class Pending:
 
     namespace: the isolation namespace its chunks are stored under and found in.
     readable:  the namespaces its lookups may hit, ``namespace`` first (then the public
-               ones it asked for)."""
+               ones it asked for).
+    context_end, context: the chunks from ``context_end`` on are encoded after the prompt's
+               tokens [0, context_end), which ``context`` digests (``PicConfig.chunk_context``);
+               "" when every chunk is encoded alone."""
 
     request: PicRequest
     token_ids: tuple[int, ...]
     namespace: str = DEFAULT_NAMESPACE
     readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
+    context_end: int = 0
+    context: str = ""
+
+    def context_of(self, start: int) -> str:
+        """The encoding context of the chunk starting at ``start``: what its keys name
+        (``keys.segment_keys``) and phase 1 encodes it after; "" alone."""
+        return self.context if self.context and start >= self.context_end else ""
+
+    def context_computed(self, start: int, prefix: int) -> bool:
+        """Whether phase 1 computes the context with a miss at ``start`` rather than read
+        it from the request's slots: those hold it as exact prefill does only when the
+        device prefix (``prefix`` tokens) covers it and the first chunk starts the prompt
+        (that chunk's KV, reused or computed, then has nothing before it)."""
+        if not self.context_of(start):
+            return False
+        first = self.request.layout.chunks[0]
+        return first.start != 0 or self.context_end > prefix
+
+
+def encoding_context(config: PicConfig, layout: Any, token_ids: Sequence[int]) -> tuple[int, str]:
+    """(context_end, context) of a prompt with ``layout``'s chunks (see ``Pending``): under
+    ``chunk_context="first_chunk"`` with two chunks or more, the digest of the tokens
+    through the first chunk; else (0, "")."""
+    chunks = layout.chunks
+    if config.chunk_context == "none" or len(chunks) < 2:
+        return 0, ""
+    end = chunks[0].end
+    return end, hash_token_ids(token_ids[:end])
 
 
 class AdmittedMarks:
@@ -299,7 +331,8 @@ class AdmissionGate:
         )
         generation = self.deleter.generation if self.deleter is not None else 0
         req.extra_key = namespace(config, extra, calibrated, generation)
-        self.marks.put(req.rid, Pending(pic, tuple(ids), own, readable))
+        context_end, context = encoding_context(self.config, pic.layout, ids)
+        self.marks.put(req.rid, Pending(pic, tuple(ids), own, readable, context_end, context))
         return None
 
     def _command(self, req: Any, custom: Any) -> str:

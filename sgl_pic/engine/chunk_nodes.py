@@ -33,6 +33,8 @@ from sgl_pic.engine.node_eviction import NodeEviction
 from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
 from sgl_pic.store.deletion import Deletion, content_digest
 
+Keys = tuple[SegmentKey, ...]  # a chunk's segment keys, in order
+
 
 @dataclass
 class ChunkNode:
@@ -138,7 +140,6 @@ class ChunkNodeTable:
         # promotion still loading, must not refill the table after it.
         self.generation = 0
 
-    # ----------------------------------------------------------------- sizes
     def __len__(self) -> int:
         return len(self._nodes)
 
@@ -167,14 +168,16 @@ class ChunkNodeTable:
         locked included."""
         return dict(self._by_namespace)
 
-    # ----------------------------------------------------------------- lookup
-    def keys(self, token_ids: Sequence[int], namespace: str = "") -> tuple[SegmentKey, ...]:
-        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens, namespace)
+    def keys(self, token_ids: Sequence[int], namespace: str = "", context: str = "") -> Keys:
+        fingerprint, segment_tokens = self.fingerprint, self.segment_tokens
+        return segment_keys(list(token_ids), fingerprint, segment_tokens, namespace, context)
 
-    def match(self, token_ids: Sequence[int], namespace: str = "") -> ChunkHit | None:
-        """The chunk's nodes in ``namespace`` if every segment is held (touching them),
-        else None."""
-        keys = self.keys(token_ids, namespace)
+    def match(
+        self, token_ids: Sequence[int], namespace: str = "", context: str = ""
+    ) -> ChunkHit | None:
+        """The chunk's nodes in ``namespace``, encoded after ``context`` ("" alone,
+        ``keys.segment_keys``), if every segment is held (touching them), else None."""
+        keys = self.keys(token_ids, namespace, context)
         nodes = [self._nodes.get(k.digest) for k in keys]
         if any(n is None for n in nodes):
             return None
@@ -188,18 +191,19 @@ class ChunkNodeTable:
         ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
         return ChunkHit(held, ranking)
 
-    # ----------------------------------------------------------------- insert
     def insert(
         self,
         token_ids: Sequence[int],
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
-    ) -> tuple[tuple[ChunkNode, ...], tuple[SegmentKey, ...]] | None:
-        """Allocates the segments of ``namespace`` not yet held and links them in; returns
+        context: str = "",
+    ) -> tuple[tuple[ChunkNode, ...], Keys] | None:
+        """Allocates the segments of ``namespace`` (encoded after ``context``) not yet held
+        and links them in; returns
         (new nodes, their keys) for the caller to fill with KV before anything reads them
         (the scheduler thread does both, so nothing can read them in between). None when
         the slots cannot be had within the capacity; nothing is changed then."""
-        keys = self.keys(token_ids, namespace)
+        keys = self.keys(token_ids, namespace, context)
         missing = [k for k in keys if k.digest not in self._nodes]
         if not missing:
             return (), ()
@@ -256,7 +260,6 @@ class ChunkNodeTable:
     def _padded(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
-    # ----------------------------------------------------------------- locking
     def lock(self, nodes: Sequence[ChunkNode]) -> None:
         for n in nodes:
             if n.lock_ref == 0:
@@ -273,7 +276,6 @@ class ChunkNodeTable:
                 if n.deleted:
                     self._free(n)
 
-    # ----------------------------------------------------------------- eviction
     def evict(self, num_tokens: int) -> int:
         """Frees unlocked leaf nodes in policy order until ``num_tokens`` slots are back in
         the allocator or none is left; returns the slots freed."""
@@ -300,7 +302,6 @@ class ChunkNodeTable:
         self.allocator.free(node.slots)
         return node.allocated
 
-    # ----------------------------------------------------------------- deletion
     def delete(self, deletion: Deletion) -> NodeDeleteReport:
         """Takes every node ``deletion`` matches out of the index at once, with the nodes
         chained after them (which could never hit again). An unlocked node's slots go back

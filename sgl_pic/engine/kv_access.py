@@ -121,9 +121,14 @@ class KVAccess:
         # layer whatever its length, a gathered row a fixed share of one.
         self.slice_rows = SLICE_ROWS
 
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """# [num_layers, 2, n, num_kv_heads, head_dim] copy of the KV at ``slots`` [n]."""
-        return read_pool_kv(self.pool, self.num_layers, slots.to(self.device))
+    def read(self, slots: torch.Tensor, at: int = 0) -> torch.Tensor:
+        """# [num_layers, 2, n, num_kv_heads, head_dim] copy of the KV at ``slots`` [n],
+        whose keys sit at positions at..at+n-1, with its keys moved to 0..n-1 (the form
+        chunks are stored in)."""
+        kv = read_pool_kv(self.pool, self.num_layers, slots.to(self.device))
+        if at:
+            self._rotate_in_place(kv[:, 0], -at)
+        return kv
 
     def write_rotated(
         self,

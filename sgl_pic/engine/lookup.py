@@ -86,7 +86,7 @@ class Lookup:
         # Store admission hears of every lookup in prompt order, as the agreed outcome (a
         # chunk the device prefix ends inside included: a miss of it is encoded whole).
         admits: list[bool | None] = [
-            sighted(ctx, plan, plan.pending.token_ids[f.start : f.end], a.tier is not None)
+            sighted(ctx, plan, f.start, f.end, a.tier is not None)
             for (plan, f), a in zip(flat, agreed, strict=True)
         ]
         misses = [i for i, a in enumerate(admits) if agreed[i].tier is None and a is not None]
@@ -117,13 +117,16 @@ class Lookup:
         # Only the request's own namespace and the public ones it may read, own first
         # (``gate.Pending``): no lookup of any tier crosses into another tenant's chunks.
         readable = plan.pending.readable
+        # Only KV encoded after what this chunk follows (``Pending.context_of``).
+        context = plan.pending.context_of(start)
         for ns in readable:
-            if (ns, chunk_ids) in self.promoter:
+            if (ns, context, chunk_ids) in self.promoter:
                 # Its full load is already under way: finishing it costs less than loading
                 # the chunk again from the lower tier.
-                self.promoter.finish((ns, chunk_ids), self.forwards.feed_timeout_s)
+                self.promoter.finish((ns, context, chunk_ids), self.forwards.feed_timeout_s)
         hit = next(
-            (h for ns in readable if (h := self.nodes.match(chunk_ids, ns)) is not None), None
+            (h for ns in readable if (h := self.nodes.match(chunk_ids, ns, context)) is not None),
+            None,
         )
         if hit is not None:
             self.nodes.lock(hit.nodes)
@@ -132,7 +135,7 @@ class Lookup:
         if lower_tiers is None:
             return Found(start, end, keep)
         lower = next(
-            (h for ns in readable if (h := lower_tiers.match(chunk_ids, ns)) is not None),
+            (h for ns in readable if (h := lower_tiers.match(chunk_ids, ns, context)) is not None),
             None,
         )
         if lower is None:
@@ -190,10 +193,13 @@ def looked_up(plan: RequestPlan) -> list[tuple[int, int, int]]:
     ]
 
 
-def sighted(ctx: BatchContext, plan: RequestPlan, chunk_ids: tuple[int, ...], stored: bool) -> bool:
-    """Tells store admission of one lookup; whether a miss is stored. Sightings count per
-    namespace: one tenant's traffic never changes how another's misses are handled."""
-    return ctx.admission.lookup(hash((plan.pending.namespace, chunk_ids)), stored)
+def sighted(ctx: BatchContext, plan: RequestPlan, start: int, end: int, stored: bool) -> bool:
+    """Tells store admission of one lookup of chunk [start, end); whether a miss is stored.
+    Sightings count per namespace and encoding context: one tenant's traffic never changes
+    how another's misses are handled."""
+    pending = plan.pending
+    key = (pending.namespace, pending.context_of(start), pending.token_ids[start:end])
+    return ctx.admission.lookup(hash(key), stored)
 
 
 class Assemble:

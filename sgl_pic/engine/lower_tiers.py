@@ -51,12 +51,14 @@ class LowerHit(NamedTuple):
     keys:    the segments' keys, in order.
     ranking: # [n] the chunk's CacheTune ranking, or None if a segment has none.
     namespace: the isolation namespace the chunk was found in.
+    context: the digest of the tokens it was encoded after ("" alone).
     """
 
     tier: Tier
     keys: tuple[SegmentKey, ...]
     ranking: torch.Tensor | None
     namespace: str = ""
+    context: str = ""
 
 
 class LowerTiers:
@@ -148,14 +150,20 @@ class LowerTiers:
         afterwards; nothing more reaches the disk. See ``lifecycle`` for when it runs."""
         return self.store.shutdown(timeout_s, stop)
 
-    def keys(self, token_ids: Sequence[int], namespace: str = "") -> tuple[SegmentKey, ...]:
-        return segment_keys(list(token_ids), self.fingerprint, self.segment_tokens, namespace)
+    def keys(
+        self, token_ids: Sequence[int], namespace: str = "", context: str = ""
+    ) -> tuple[SegmentKey, ...]:
+        return segment_keys(
+            list(token_ids), self.fingerprint, self.segment_tokens, namespace, context
+        )
 
-    def match(self, token_ids: Sequence[int], namespace: str = "") -> LowerHit | None:
-        """Whether every segment of the chunk in ``namespace`` is held, and the chunk's
-        ranking (read from the record in host memory, or from the file header on disk).
-        Changes no access counts."""
-        keys = self.keys(token_ids, namespace)
+    def match(
+        self, token_ids: Sequence[int], namespace: str = "", context: str = ""
+    ) -> LowerHit | None:
+        """Whether every segment of the chunk in ``namespace``, encoded after ``context``
+        ("" alone), is held, and the chunk's ranking (read from the record in host memory,
+        or from the file header on disk). Changes no access counts."""
+        keys = self.keys(token_ids, namespace, context)
         tiers: list[Tier] = []
         rankings: list[torch.Tensor | None] = []
         for k in keys:
@@ -169,7 +177,7 @@ class LowerTiers:
             rankings.append(peek.ranking)
         slowest = max(tiers, key=LOWER_TIERS.index)
         ranking = None if any(r is None for r in rankings) else torch.cat(rankings)  # type: ignore[arg-type]
-        return LowerHit(slowest, keys, ranking, namespace)
+        return LowerHit(slowest, keys, ranking, namespace, context)
 
     def placements(
         self,
@@ -200,10 +208,12 @@ class LowerTiers:
         v: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
+        context: str = "",
     ) -> int:
-        """Writes the chunk's segments of ``namespace`` not yet held; returns how many were
-        newly kept."""
-        keys = [k for k in self.keys(token_ids, namespace) if not self.store.contains(k.digest)]
+        """Writes the chunk's segments of ``namespace`` (encoded after ``context``) not yet
+        held; returns how many were newly kept."""
+        keys = self.keys(token_ids, namespace, context)
+        keys = [k for k in keys if not self.store.contains(k.digest)]
         kept = 0
         for k in keys:
             record = ChunkKV(

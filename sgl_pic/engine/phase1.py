@@ -1,15 +1,21 @@
-"""Step 3 of a chunked batch: phase 1, the independent KV of the chunks found nowhere.
+"""Step 3 of a chunked batch: phase 1, the stored KV of the chunks found nowhere.
 
-Each admitted miss runs as a sub-request from position 0 over its own slots (a scratch
-row of SGLang's request table that holds just those slots), so its KV is the chunk's
-independent KV. It is copied into new chunk nodes (``NodeWriter``), written through to the
-host tier, and its keys are re-rotated in place to the chunk's position. A chunk the
-device prefix cuts is encoded on slots taken for it, and only its rows past the prefix
-are written into the request's."""
+Each admitted miss runs as a sub-request over its own slots (a scratch row of SGLang's
+request table that holds them), from position 0, so its KV is the chunk's independent
+KV, or, under ``chunk_context="first_chunk"``, right after its encoding context (the
+prompt's tokens through its first chunk, ``gate.Pending.context_of``). The context's KV
+is the request's own where its device prefix holds it and the first chunk starts the
+prompt (then those slots hold what exact prefill computes); otherwise the context is
+computed with the chunk on slots taken for it. The chunk's KV, keys moved to 0..n-1, is
+copied into new chunk nodes (``NodeWriter``) and written through to the host tier under
+a key naming the context, and its keys are re-rotated in place to the chunk's position.
+A chunk the device prefix cuts is encoded on slots taken for it, and only its rows past
+the prefix are written into the request's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +34,16 @@ from sgl_pic.selection import cachetune_ranking
 MAX_SCRATCH_ROWS = 16
 
 Miss = tuple[RequestPlan, int, int]  # a plan and its chunk [start, end)
+
+
+class Encoding(NamedTuple):
+    """Where one miss is encoded: its chunk's slots, and its context's (# [context_end],
+    empty for a chunk encoded alone); ``computed``: whether the context is computed with
+    the chunk (its slots taken for it) rather than read from the request's prefix."""
+
+    slots: torch.Tensor  # [end - start]
+    context: torch.Tensor  # [context_end] or [0]
+    computed: bool
 
 
 class NoScratchRows(RuntimeError):
@@ -51,11 +67,14 @@ class NodeWriter:
         kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
+        context: str = "",
     ) -> None:
-        """New chunk nodes of ``namespace`` for the segments not held, when the pool share
-        has room."""
+        """New chunk nodes of ``namespace`` (encoded after ``context``) for the segments not
+        held, when the pool share has room."""
         inserted = (
-            self.nodes.insert(chunk_ids, ranking, namespace) if self.nodes.capacity_tokens else ()
+            self.nodes.insert(chunk_ids, ranking, namespace, context)
+            if self.nodes.capacity_tokens
+            else ()
         )
         if inserted is None:
             self.on_insert_failure()
@@ -75,10 +94,11 @@ class NodeWriter:
         kv: torch.Tensor,  # [num_layers, 2, n, num_kv_heads, head_dim], K at 0..n-1
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
+        context: str = "",
     ) -> None:
         """``write`` on one thread (``single_thread``), as the promoter calls it."""
         with single_thread():
-            self.write(chunk_ids, kv, ranking, namespace)
+            self.write(chunk_ids, kv, ranking, namespace, context)
 
 
 class Phase1:
@@ -106,43 +126,67 @@ class Phase1:
         if not misses:
             return
         # Where each miss is encoded: its own slots, or slots of its own for a chunk the
-        # device prefix cuts (the prefix's slots are shared and hold the prefix's KV).
-        where: list[torch.Tensor] = []
+        # device prefix cuts (the prefix's slots are shared and hold the prefix's KV); and
+        # where its context is (``Encoding``).
+        where: list[Encoding] = []
         temp: list[torch.Tensor] = []
         try:
             short = False
             for plan, start, end in misses:
-                if start < plan.prefix:
-                    slots = take_slots(self.writer.nodes.allocator, end - start, self.make_room)
+                own, context = end - start, self._context_end(plan, start)
+                computed = plan.pending.context_computed(start, plan.prefix)
+                taken = own * (start < plan.prefix) + context * computed
+                slots = None
+                if taken:
+                    slots = take_slots(self.writer.nodes.allocator, taken, self.make_room)
                     short |= slots is None
-                    if slots is not None:
-                        temp.append(slots)
-                        where.append(slots[: end - start])
+                    if slots is None:
+                        continue
+                    temp.append(slots)
+                if start < plan.prefix:
+                    assert slots is not None
+                    chunk = slots[:own]
                 else:
-                    where.append(self.forwards.slots(plan, start, end))
+                    chunk = self.forwards.slots(plan, start, end)
+                if computed:
+                    assert slots is not None
+                    held = slots[taken - context : taken]
+                else:
+                    held = self.forwards.slots(plan, 0, context)
+                where.append(Encoding(chunk, held, computed))
             # The misses are the same on every tensor-parallel rank (``Lookup``), so is
             # whether this collective runs; a rank short of slots sends all of them to
             # exact prefill.
-            cut = any(start < plan.prefix for plan, start, _ in misses)
-            if cut and not self.ranks.all_of([not short])[0]:
-                raise NoScratchRows("no free slots to encode a chunk the device prefix cuts")
+            takes = any(
+                start < plan.prefix or plan.pending.context_computed(start, plan.prefix)
+                for plan, start, _ in misses
+            )
+            if takes and not self.ranks.all_of([not short])[0]:
+                raise NoScratchRows("no free slots to encode a chunk or its context")
             self._encode(misses, where, ctx)
-            for (plan, start, end), slots in zip(misses, where, strict=True):
-                ranking = self._store(plan, start, end, slots)
+            for (plan, start, end), enc in zip(misses, where, strict=True):
+                ranking = self._store(plan, start, end, enc)
                 i = next(j for j, s in enumerate(plan.layout.chunks) if s.start == start)
                 plan.rankings[i] = ranking
                 assert plan.stats is not None
+                # A context computed with the chunk is encoded too.
+                encoded = end - start + enc.context.numel() * enc.computed
                 plan.stats = plan.stats._replace(
                     misses=plan.stats.misses + 1,
-                    encoded_tokens=plan.stats.encoded_tokens + end - start,
+                    encoded_tokens=plan.stats.encoded_tokens + encoded,
                 )
         finally:
             for slots in temp:
                 self.writer.nodes.allocator.free(slots)
 
-    def _encode(self, misses: list[Miss], where: list[torch.Tensor], ctx: BatchContext) -> None:
-        """The phase-1 forwards: every miss from position 0 on a scratch row of its own,
-        over its slots ``where`` (# [end - start] each)."""
+    @staticmethod
+    def _context_end(plan: RequestPlan, start: int) -> int:
+        """Tokens of the context the chunk at ``start`` is encoded after (0: alone)."""
+        return plan.pending.context_end if plan.pending.context_of(start) else 0
+
+    def _encode(self, misses: list[Miss], where: list[Encoding], ctx: BatchContext) -> None:
+        """The phase-1 forwards: every miss on a scratch row of its own over its slots,
+        from position 0 or after its context (see ``Encoding``)."""
         phases = self.forwards.phases
         rows = phases.scratch_rows(min(len(misses), MAX_SCRATCH_ROWS))
         if rows is None:
@@ -154,11 +198,17 @@ class Phase1:
             for at in range(0, len(misses), len(rows)):
                 batch = misses[at : at + len(rows)]
                 subs, ids = [], []
-                for row, (plan, start, end), slots in zip(
+                for row, (plan, start, end), enc in zip(
                     rows, batch, where[at : at + len(rows)], strict=False
                 ):
-                    table[row, : end - start] = slots.to(table.device, table.dtype)
-                    subs.append(SubRequest(row, 0, end - start))
+                    c, n = enc.context.numel(), end - start
+                    table[row, :c] = enc.context.to(table.device, table.dtype)
+                    table[row, c : c + n] = enc.slots.to(table.device, table.dtype)
+                    if enc.computed:
+                        subs.append(SubRequest(row, 0, c + n))
+                        ids.extend(plan.pending.token_ids[:c])
+                    else:
+                        subs.append(SubRequest(row, c, n))
                     ids.extend(plan.pending.token_ids[start:end])
                 ids_t = torch.tensor(ids, dtype=torch.int64, device=table.device)
                 self.forwards.run("phase1", ctx.stack, phases.prepare(ctx.live, subs, ids_t))
@@ -170,17 +220,20 @@ class Phase1:
         plan: RequestPlan,
         start: int,
         end: int,
-        slots: torch.Tensor,  # [end - start] where it was encoded
+        enc: Encoding,
     ) -> torch.Tensor:
         """Stores one encoded miss in the chunk nodes and the lower tiers and writes it to
         the request's slots past its device prefix, keys re-rotated to the chunk's
         position; its ranking # [end - start]."""
         kv_access, lower = self.forwards.kv, self.forwards.lower
         chunk_ids = plan.pending.token_ids[start:end]
+        slots = enc.slots
+        context = plan.pending.context_of(start)
         # All of it on one thread, as the copies: small ops, where OpenMP's barriers under
         # a serving load cost more than a second thread gains (``single_thread``).
         with single_thread():
-            kv = kv_access.read(slots)  # keys at positions 0..n-1
+            # Encoded after its context, its keys sit past it: stored at 0..n-1 as any.
+            kv = kv_access.read(slots, enc.context.numel())
             # Pre-RoPE keys, once: CacheTune ranks them and the lower tiers store them.
             k_pre = kv_access.pre_rope_keys(kv)
             # The server's alpha: the chunk's keys name it (``ranking_recipe``).
@@ -188,10 +241,10 @@ class Phase1:
                 k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.forwards.reduce
             ).cpu()  # read on the host once: the plan, the chunk node and the tiers use it
             ns = plan.pending.namespace  # stored in its own namespace only
-            self.writer.write(chunk_ids, kv, ranking, ns)
+            self.writer.write(chunk_ids, kv, ranking, ns, context)
             if lower is not None:
                 # Write-through: the host tier then puts it on disk in the background.
-                lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns)
+                lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns, context)
             keep = max(start, plan.prefix)
             if keep == start:
                 kv_access.write_rotated(slots, kv, start)

@@ -51,7 +51,9 @@ DEVIATION_LAYERS = 2
 class Presence(Protocol):
     """Where a chunk is held now, without touching it: "device", "host", "disk" or None."""
 
-    def tier(self, chunk_ids: tuple[int, ...], readable: Sequence[str]) -> str | None: ...
+    def tier(
+        self, chunk_ids: tuple[int, ...], readable: Sequence[str], context: str = ""
+    ) -> str | None: ...
 
 
 class _Memo:
@@ -89,26 +91,30 @@ class TierPresence:
         self.lower = lower
         self._digests = _Memo(memo_chunks)
 
-    def digests(self, table: str, chunk_ids: tuple[int, ...], namespace: str) -> tuple[str, ...]:
+    def digests(
+        self, table: str, chunk_ids: tuple[int, ...], namespace: str, context: str = ""
+    ) -> tuple[str, ...]:
         """The segment key digests of a chunk in ``table`` ("nodes" or "lower": their
-        fingerprints differ)."""
+        fingerprints differ), encoded after ``context``."""
         keys = self.nodes.keys if table == "nodes" else self.lower.keys  # type: ignore[union-attr]
         return self._digests.get(
-            (table, namespace, chunk_ids),
-            lambda: tuple(k.digest for k in keys(chunk_ids, namespace)),
+            (table, namespace, context, chunk_ids),
+            lambda: tuple(k.digest for k in keys(chunk_ids, namespace, context)),
         )
 
-    def tier(self, chunk_ids: tuple[int, ...], readable: Sequence[str]) -> str | None:
+    def tier(
+        self, chunk_ids: tuple[int, ...], readable: Sequence[str], context: str = ""
+    ) -> str | None:
         nodes = self.nodes
         for ns in readable:
-            if all(nodes.contains(d) for d in self.digests("nodes", chunk_ids, ns)):
+            if all(nodes.contains(d) for d in self.digests("nodes", chunk_ids, ns, context)):
                 return "device"
         lower = self.lower
         if lower is None:
             return None
         host, disk = lower.store.host, lower.store.disk
         for ns in readable:
-            digests = self.digests("lower", chunk_ids, ns)
+            digests = self.digests("lower", chunk_ids, ns, context)
             if all(host.contains(d) for d in digests):
                 return "host"
             if all(host.contains(d) or disk.contains(d) for d in digests):
@@ -120,7 +126,8 @@ class CostEstimate(NamedTuple):
     """One request's planned rows, from its device prefix on.
 
     extend:   rows SGLang counts (prompt tokens past the device prefix).
-    encoded:  rows of chunks held in no tier, which phase 1 encodes alone.
+    encoded:  rows of chunks held in no tier, which phase 1 encodes (with their context
+              where it computes that too).
     computed: rows phase 2 computes (selection, fresh text, forced rows, the last token).
     signals:  rows of signal passes, scaled by the layers they run.
     reused:   chunk rows past the device prefix found in a tier (copied or loaded).
@@ -208,13 +215,20 @@ class PlannedCost:
             return CostEstimate(extend, 0, extend, 0.0, 0, extend)
         spans = pending.request.layout.chunks
         tiers = tuple(
-            self.presence.tier(pending.token_ids[c.start : c.end], pending.readable)
+            self.presence.tier(
+                pending.token_ids[c.start : c.end], pending.readable, pending.context_of(c.start)
+            )
             if c.end > prefix
             else "prefix"
             for c in spans
         )
-        # A miss is encoded whole, one the device prefix cuts included (``phase1``).
-        encoded = sum(c.length for c, t in zip(spans, tiers, strict=True) if t is None)
+        # A miss is encoded whole, one the device prefix cuts included, with its context
+        # where phase 1 computes that too (``phase1``).
+        encoded = sum(
+            c.length + pending.context_end * pending.context_computed(c.start, prefix)
+            for c, t in zip(spans, tiers, strict=True)
+            if t is None
+        )
         # The marks by identity (kept alive in the entry, so the id is not reused): a
         # request keeps the same ``Pending`` while it waits.
         key = (id(pending), prefix, config, tiers)

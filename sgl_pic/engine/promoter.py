@@ -4,7 +4,8 @@ The full read and rotation of a promoted chunk run on one worker thread, off the
 request's path; the nodes are filled on the scheduler's thread (``finish_ready`` at the
 start of the next batch, or ``finish`` when a request needs the chunk before that), since
 only that thread may touch SGLang's allocator. A promotion is of one chunk in one
-isolation namespace, and fills that namespace's nodes only.
+isolation namespace and encoding context (``keys.segment_keys``), and fills that
+namespace's nodes of that context only.
 """
 
 from __future__ import annotations
@@ -27,22 +28,22 @@ logger = logging.getLogger(__name__)
 MAX_PROMOTIONS = 32
 
 ChunkIds = tuple[int, ...]
-# (isolation namespace, chunk token ids): what one promotion fills.
-JobKey = tuple[str, ChunkIds]
+# (isolation namespace, encoding context, chunk token ids): what one promotion fills.
+JobKey = tuple[str, str, ChunkIds]
 
 
 class Promoter:
     """nodes: the chunk node table (``match``, ``generation``, ``capacity_tokens``).
     load_full(hit, chunk_ids): the chunk's whole KV # [L, 2, n, H, D], keys at 0..n-1, or
     None when its records are gone (run on the worker).
-    store(chunk_ids, kv, ranking, namespace): fills chunk nodes of ``namespace`` (run on
-    the scheduler's thread)."""
+    store(chunk_ids, kv, ranking, namespace, context): fills chunk nodes of ``namespace``
+    encoded after ``context`` (run on the scheduler's thread)."""
 
     def __init__(
         self,
         nodes: Any,
         load_full: Callable[[Any, ChunkIds], torch.Tensor | None],
-        store: Callable[[ChunkIds, torch.Tensor, torch.Tensor | None, str], None],
+        store: Callable[[ChunkIds, torch.Tensor, torch.Tensor | None, str, str], None],
         metrics: PicMetrics,
     ) -> None:
         self.nodes = nodes
@@ -50,8 +51,8 @@ class Promoter:
         self.store = store
         self.metrics = metrics
         self._pool: ThreadPoolExecutor | None = None
-        # (namespace, chunk token ids) -> (full load, its ranking, the table's generation
-        # at submit)
+        # (namespace, context, chunk token ids) -> (full load, its ranking, the table's
+        # generation at submit)
         self._jobs: dict[JobKey, tuple[Future[torch.Tensor | None], Any, int]] = {}
 
     def __contains__(self, key: JobKey) -> bool:
@@ -66,13 +67,15 @@ class Promoter:
         chunk_ids: ChunkIds,
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
+        context: str = "",
     ) -> None:
-        """Starts loading one chunk of ``namespace`` for promotion, unless it is under way,
-        already a node, or the queue is full (counted as a drop)."""
-        key = (namespace, chunk_ids)
+        """Starts loading one chunk of ``namespace`` (encoded after ``context``) for
+        promotion, unless it is under way, already a node, or the queue is full (counted
+        as a drop)."""
+        key = (namespace, context, chunk_ids)
         if self.nodes.capacity_tokens == 0 or key in self._jobs:
             return
-        if self.nodes.match(chunk_ids, namespace) is not None:
+        if self.nodes.match(chunk_ids, namespace, context) is not None:
             return
         if len(self._jobs) >= MAX_PROMOTIONS:
             self.metrics.queue_drops.labels(queue="promotion").inc()
@@ -93,7 +96,7 @@ class Promoter:
         (unless a flush came in between, or the load found the records gone). False when
         the load is still running: it stays queued, and the caller reads the lower tier."""
         job, ranking, generation = self._jobs[key]
-        namespace, chunk_ids = key
+        namespace, context, chunk_ids = key
         if generation != self.nodes.generation:
             # Begun before a flush, which dropped the chunk nodes: never waited for.
             del self._jobs[key]
@@ -108,8 +111,8 @@ class Promoter:
             logger.exception("sgl_pic: promotion of a stored chunk failed")
             return True
         del self._jobs[key]
-        if kv is not None and self.nodes.match(chunk_ids, namespace) is None:
-            self.store(chunk_ids, kv, ranking, namespace)
+        if kv is not None and self.nodes.match(chunk_ids, namespace, context) is None:
+            self.store(chunk_ids, kv, ranking, namespace, context)
             self.metrics.promotions.inc()
         return True
 
@@ -136,5 +139,5 @@ class Promote:
         for plan in plans.values():
             for start, end, hit in plan.lower + plan.loaded_whole:
                 self.promoter.submit(
-                    hit, plan.pending.token_ids[start:end], hit.ranking, hit.namespace
+                    hit, plan.pending.token_ids[start:end], hit.ranking, hit.namespace, hit.context
                 )

@@ -249,3 +249,18 @@ def test_queue_drops_reach_the_metrics_as_deltas(stores, tmp_path, monkeypatch) 
         assert metrics.value("sgl_pic_queue_drops", queue="writeback") == dropped + 2
     finally:
         held.release.set()
+
+
+def test_a_chunk_encoded_after_a_context_is_found_with_that_context_only(stores, tmp_path) -> None:
+    lt = tiers(stores, tmp_path)
+    c, context = chunk(), "c" * 64
+    assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking, "", context) == 3
+    assert lt.match(c.tokens) is None and lt.match(c.tokens, "", "d" * 64) is None
+    hit = lt.match(c.tokens, "", context)
+    assert hit is not None and hit.context == context
+    assert hit.keys == lt.keys(c.tokens, "", context)
+    kv = lt.load_full(hit, c.tokens)
+    assert kv is not None
+    close(kv, c.kv)
+    # Encoded alone, the same tokens are another record.
+    assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 3

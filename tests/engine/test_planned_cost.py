@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_pic.binding.gate import Pending
+from sgl_pic.binding.gate import Pending, encoding_context
 from sgl_pic.config import PicConfig
 from sgl_pic.engine import planner
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
@@ -284,3 +284,26 @@ def test_what_is_kept_is_bounded() -> None:
     for seed in range(3):
         est.estimate(pending(ids(seed)), PicConfig(policy="full_reuse"), 0)
     assert len(presence._digests) == 2 and len(est._plans) == 1
+
+
+def test_a_context_computed_with_each_miss_is_counted_and_its_keys_are_its_own() -> None:
+    """Under ``chunk_context="first_chunk"`` a miss past the first chunk is encoded after
+    the prompt's tokens through it: counted with the miss where phase 1 computes them (no
+    device prefix holds them), not where the prefix does; and a chunk held encoded alone
+    is no hit for a request that needs it encoded after its first chunk."""
+    toks = ids()
+    config = PicConfig(policy="cachetune", cachetune_r=0.25, chunk_context="first_chunk")
+    request = PicRequest(PromptLayout.from_spans(N, SPANS), {})
+    end, context = encoding_context(config, request.layout, toks)
+    assert end == SPANS[0][1] and len(context) == 64
+    marks = Pending(request, toks, "", ("",), end, context)
+    assert marks.context_of(SPANS[0][0]) == "" and marks.context_of(SPANS[1][0]) == context
+    alone = table([toks[s:e] for s, e in SPANS])
+    est = PlannedCost(TierPresence(alone), LAYERS).estimate(marks, config, 0)
+    assert est.encoded == 40 + 2 * end  # two misses, each computed with the context
+    warm = PlannedCost(TierPresence(alone), LAYERS).estimate(marks, config, end)
+    assert warm.encoded == 40  # the device prefix holds the context
+    nodes = table([toks[s:e] for s, e in SPANS[:1]])
+    for s, e in SPANS[1:]:
+        assert nodes.insert(toks[s:e], None, "", context) is not None
+    assert PlannedCost(TierPresence(nodes), LAYERS).estimate(marks, config, 0).encoded == 0

@@ -27,8 +27,10 @@ class Nodes:
     def __init__(self) -> None:
         self.stored: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
-    def match(self, chunk_ids: tuple[int, ...], namespace: str = "") -> torch.Tensor | None:
-        return self.stored.get((namespace, chunk_ids))
+    def match(
+        self, chunk_ids: tuple[int, ...], namespace: str = "", context: str = ""
+    ) -> torch.Tensor | None:
+        return self.stored.get((namespace, context, chunk_ids))
 
 
 def test_load_runs_on_a_confined_worker_and_fills_the_nodes() -> None:
@@ -40,17 +42,19 @@ def test_load_runs_on_a_confined_worker_and_fills_the_nodes() -> None:
         seen.append(torch.get_num_threads())
         return torch.zeros(2, 2, len(chunk_ids), 1, 4)
 
-    def store(chunk_ids: tuple[int, ...], kv: torch.Tensor, _ranking: object, ns: str) -> None:
-        nodes.stored[(ns, chunk_ids)] = kv
+    def store(
+        chunk_ids: tuple[int, ...], kv: torch.Tensor, _ranking: object, ns: str, context: str
+    ) -> None:
+        nodes.stored[(ns, context, chunk_ids)] = kv
 
     metrics = SimpleNamespace(promotions=Count(), queue_drops=Count())
     promoter = Promoter(nodes, load_full, store, metrics)  # type: ignore[arg-type]
     ids = (5, 6, 7)
     promoter.submit(object(), ids, None)
-    assert promoter.finish(("", ids), timeout_s=30)
+    assert promoter.finish(("", "", ids), timeout_s=30)
     promoter.close()
     assert seen == [1]
-    assert ("", ids) in nodes.stored and metrics.promotions.n == 1
+    assert ("", "", ids) in nodes.stored and metrics.promotions.n == 1
 
 
 def test_a_promotion_fills_only_its_own_namespace() -> None:
@@ -58,8 +62,10 @@ def test_a_promotion_fills_only_its_own_namespace() -> None:
     tenant B are promoted on their own, into B's."""
     nodes = Nodes()
 
-    def store(chunk_ids: tuple[int, ...], kv: torch.Tensor, _ranking: object, ns: str) -> None:
-        nodes.stored[(ns, chunk_ids)] = kv
+    def store(
+        chunk_ids: tuple[int, ...], kv: torch.Tensor, _ranking: object, ns: str, context: str
+    ) -> None:
+        nodes.stored[(ns, context, chunk_ids)] = kv
 
     metrics = SimpleNamespace(promotions=Count(), queue_drops=Count())
     promoter = Promoter(
@@ -70,10 +76,17 @@ def test_a_promotion_fills_only_its_own_namespace() -> None:
     )
     ids = (1, 2, 3)
     promoter.submit(object(), ids, None, "tenant-a")
-    assert ("tenant-a", ids) in promoter and ("tenant-b", ids) not in promoter
-    assert promoter.finish(("tenant-a", ids), timeout_s=30)
-    assert set(nodes.stored) == {("tenant-a", ids)}
+    assert ("tenant-a", "", ids) in promoter and ("tenant-b", "", ids) not in promoter
+    assert promoter.finish(("tenant-a", "", ids), timeout_s=30)
+    assert set(nodes.stored) == {("tenant-a", "", ids)}
     promoter.submit(object(), ids, None, "tenant-b")  # not held in B's namespace: loads
-    assert promoter.finish(("tenant-b", ids), timeout_s=30)
+    assert promoter.finish(("tenant-b", "", ids), timeout_s=30)
+    # Encoded after other tokens, the same chunk of A is another promotion and node.
+    promoter.submit(object(), ids, None, "tenant-a", "c" * 64)
+    assert promoter.finish(("tenant-a", "c" * 64, ids), timeout_s=30)
     promoter.close()
-    assert set(nodes.stored) == {("tenant-a", ids), ("tenant-b", ids)}
+    assert set(nodes.stored) == {
+        ("tenant-a", "", ids),
+        ("tenant-b", "", ids),
+        ("tenant-a", "c" * 64, ids),
+    }
