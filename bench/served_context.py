@@ -9,8 +9,9 @@ Per example and server: the prompt unmarked (exact prefill: a plain request neve
 chunked KV), then marked with its passages in reverse order (their chunks are stored; the
 system chunk becomes device prefix), then marked as built. For the last, its first-token
 KL from exact prefill over the whole vocabulary (a one-token request asking for every
-token's log-probability) and the greedy agreement of 16 tokens. The two settings are
-paired per example: the ratio of their mean KLs with a paired bootstrap interval. Writes
+token's log-probability) and the greedy agreement of 16 tokens; the same KL for full
+reuse. The two settings are paired per example: the ratio of their mean KLs, and of each
+to full reuse of chunks encoded alone, with paired bootstrap intervals. Writes
 ``bench/results/served_context.json`` (per-example records, the commit, whether the tree
 was dirty).
 """
@@ -43,7 +44,9 @@ SETTINGS = ("none", "first_chunk")
 NEW_TOKENS = 16
 
 
-def body(ids: list[int], spans: list[list[int]] | None, n: int, top: int = 0) -> dict:
+def body(
+    ids: list[int], spans: list[list[int]] | None, n: int, top: int = 0, policy: str = ""
+) -> dict:
     out: dict[str, Any] = {
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": n},
@@ -51,7 +54,7 @@ def body(ids: list[int], spans: list[list[int]] | None, n: int, top: int = 0) ->
     if top:
         out.update(return_logprob=True, top_logprobs_num=top)
     if spans is not None:
-        out["pic"] = {"chunks": spans}
+        out["pic"] = {"chunks": spans, **({"config": {"policy": policy}} if policy else {})}
     return out
 
 
@@ -112,6 +115,7 @@ def run_setting(setting: str, cases: list, vocab: int) -> list[dict[str, Any]]:
             _, reused = client.generate(body(ids, spans, 1, vocab))
             d = delta(before, client.metrics())
             _, reused_n = client.generate(body(ids, spans, NEW_TOKENS))
+            _, full = client.generate(body(ids, spans, 1, vocab, "full_reuse"))
             rows.append(
                 {
                     "example": i,
@@ -120,6 +124,7 @@ def run_setting(setting: str, cases: list, vocab: int) -> list[dict[str, Any]]:
                     "cached_tokens": reused["meta_info"]["cached_tokens"],
                     "first_token_kl": kl(first_logprobs(exact), first_logprobs(reused)),
                     "greedy_agreement": agreement(exact_n["output_ids"], reused_n["output_ids"]),
+                    "full_reuse_kl": kl(first_logprobs(exact), first_logprobs(full)),
                     "recomputed_tokens": d.get("sgl_pic_recomputed_tokens_total", 0.0),
                     "reused_tokens": d.get("sgl_pic_reused_tokens_total", 0.0),
                     "misses": d.get("sgl_pic_chunk_misses_total", 0.0),
@@ -141,6 +146,17 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "greedy_agreement": statistics.fmean(agree),
             "greedy_agreement_ci": bootstrap_ci(agree),
         }
+        out[s]["full_reuse_kl"] = statistics.fmean(r["full_reuse_kl"] for r in rs)
+        out[s]["recomputed_fraction"] = sum(r["recomputed_tokens"] for r in rs) / sum(
+            r["recomputed_tokens"] + r["reused_tokens"] for r in rs
+        )
+    # Against the KL of full reuse of chunks encoded alone (what issue #46 reads), and
+    # one setting against the other, paired per example.
+    full = [r["full_reuse_kl"] for r in by["none"]]
+    for s, rs in by.items():
+        kls = [r["first_token_kl"] for r in rs]
+        out[s]["kl_over_full_reuse"] = sum(kls) / max(sum(full), 1e-12)
+        out[s]["kl_over_full_reuse_ci"] = paired_ratio_ci(kls, full)
     num = [r["first_token_kl"] for r in by["first_chunk"]]
     den = [r["first_token_kl"] for r in by["none"]]
     out["kl_first_chunk_over_none"] = sum(num) / max(sum(den), 1e-12)
