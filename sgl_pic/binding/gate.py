@@ -29,11 +29,12 @@ Never raises: a failure inside the gate means exact prefill for that request.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sgl_pic.binding.metrics import PicMetrics
 from sgl_pic.config import PicConfig
@@ -50,6 +51,7 @@ from sgl_pic.http.spans import (
 )
 from sgl_pic.layout import LayoutError
 from sgl_pic.store.base import hash_token_ids
+from sgl_pic.store.deletion import segment_contents
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +72,11 @@ class Pending:
     readable:  the namespaces its lookups may hit, ``namespace`` first (then the public
                ones it asked for).
     context_end, context: the chunks from ``context_end`` on are encoded after the prompt's
-               tokens [0, context_end), which ``context`` digests (``PicConfig.chunk_context``);
-               "" when every chunk is encoded alone."""
+               tokens [0, context_end), which ``context`` digests with where its first
+               chunk starts (``PicConfig.chunk_context``); "" when every chunk is encoded
+               alone.
+    context_contents: the content digests of that first chunk's segments, which records
+               encoded after it carry (``ChunkKV.context_contents``)."""
 
     request: PicRequest
     token_ids: tuple[int, ...]
@@ -79,6 +84,7 @@ class Pending:
     readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
     context_end: int = 0
     context: str = ""
+    context_contents: tuple[str, ...] = ()
 
     def context_of(self, start: int) -> str:
         """The encoding context of the chunk starting at ``start``: what its keys name
@@ -96,15 +102,28 @@ class Pending:
         return first.start != 0 or self.context_end > prefix
 
 
-def encoding_context(config: PicConfig, layout: Any, token_ids: Sequence[int]) -> tuple[int, str]:
-    """(context_end, context) of a prompt with ``layout``'s chunks (see ``Pending``): under
-    ``chunk_context="first_chunk"`` with two chunks or more, the digest of the tokens
-    through the first chunk; else (0, "")."""
+class EncodingContext(NamedTuple):
+    """What a prompt's chunks past its first are encoded after (see ``Pending``)."""
+
+    end: int = 0
+    digest: str = ""
+    contents: tuple[str, ...] = ()
+
+
+def encoding_context(config: PicConfig, layout: Any, token_ids: Sequence[int]) -> EncodingContext:
+    """The encoding context of a prompt with ``layout``'s chunks: under
+    ``chunk_context="first_chunk"`` with two chunks or more, the tokens through the first
+    chunk; else none. Its digest names the first chunk's start too, so equal digests mean
+    an equal first chunk, and equal ``contents``."""
     chunks = layout.chunks
     if config.chunk_context == "none" or len(chunks) < 2:
-        return 0, ""
-    end = chunks[0].end
-    return end, hash_token_ids(token_ids[:end])
+        return EncodingContext()
+    first = chunks[0]
+    h = hashlib.sha256(b"sgl_pic.encoding_context\0")
+    h.update(first.start.to_bytes(8, "little"))
+    h.update(hash_token_ids(token_ids[: first.end]).encode())
+    contents = segment_contents(token_ids[first.start : first.end], config.segment_tokens)
+    return EncodingContext(first.end, h.hexdigest(), tuple(sorted(contents)))
 
 
 class AdmittedMarks:
@@ -331,8 +350,8 @@ class AdmissionGate:
         )
         generation = self.deleter.generation if self.deleter is not None else 0
         req.extra_key = namespace(config, extra, calibrated, generation)
-        context_end, context = encoding_context(self.config, pic.layout, ids)
-        self.marks.put(req.rid, Pending(pic, tuple(ids), own, readable, context_end, context))
+        context = encoding_context(self.config, pic.layout, ids)
+        self.marks.put(req.rid, Pending(pic, tuple(ids), own, readable, *context))
         return None
 
     def _command(self, req: Any, custom: Any) -> str:

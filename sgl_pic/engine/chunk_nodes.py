@@ -31,6 +31,7 @@ import torch
 
 from sgl_pic.engine.node_eviction import NodeEviction
 from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
+from sgl_pic.store.base import record_content
 from sgl_pic.store.deletion import Deletion, content_digest
 
 Keys = tuple[SegmentKey, ...]  # a chunk's segment keys, in order
@@ -44,8 +45,8 @@ class ChunkNode:
               rest pad the allocation to whole pages.
     ranking:  # [num_tokens] CacheTune ranking, or None.
     namespace: the isolation namespace it was stored under ("" the default).
-    content:  ``store.deletion.content_digest`` of its token ids: what a deletion by
-              content names.
+    content:  ``store.base.record_content`` of its token ids and of the first chunk it was
+              encoded after, if any: what a deletion by content matches.
     deleted:  taken out of the index by a deletion while locked; its slots go back to the
               allocator when the last lock is released.
     """
@@ -197,6 +198,7 @@ class ChunkNodeTable:
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
         context: str = "",
+        context_contents: tuple[str, ...] = (),
     ) -> tuple[tuple[ChunkNode, ...], Keys] | None:
         """Allocates the segments of ``namespace`` (encoded after ``context``) not yet held
         and links them in; returns
@@ -236,7 +238,9 @@ class ChunkNodeTable:
                 num_tokens=n,
                 ranking=None if ranking is None else ranking[k.start : k.end].clone(),
                 namespace=namespace,
-                content=content_digest(list(token_ids[k.start : k.end])),
+                content=record_content(
+                    content_digest(list(token_ids[k.start : k.end])), context_contents
+                ),
                 last_access=now,
                 priority=self.eviction.priority(1, take),
             )

@@ -209,9 +209,11 @@ class LowerTiers:
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
         context: str = "",
+        context_contents: tuple[str, ...] = (),
     ) -> int:
-        """Writes the chunk's segments of ``namespace`` (encoded after ``context``) not yet
-        held; returns how many were newly kept."""
+        """Writes the chunk's segments of ``namespace`` (encoded after ``context``, whose
+        first chunk's contents are ``context_contents``) not yet held; returns how many
+        were newly kept."""
         keys = self.keys(token_ids, namespace, context)
         keys = [k for k in keys if not self.store.contains(k.digest)]
         kept = 0
@@ -224,6 +226,7 @@ class LowerTiers:
                 v=v[:, k.start : k.end].contiguous(),
                 ranking=None if ranking is None else ranking[k.start : k.end].float(),
                 namespace=namespace,
+                context_contents=context_contents,
             )
             kept += bool(self.store.put(record))
         return kept

@@ -68,11 +68,13 @@ class NodeWriter:
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
         context: str = "",
+        context_contents: tuple[str, ...] = (),
     ) -> None:
-        """New chunk nodes of ``namespace`` (encoded after ``context``) for the segments not
-        held, when the pool share has room."""
+        """New chunk nodes of ``namespace`` (encoded after ``context``, whose first chunk's
+        contents are ``context_contents``) for the segments not held, when the pool share
+        has room."""
         inserted = (
-            self.nodes.insert(chunk_ids, ranking, namespace, context)
+            self.nodes.insert(chunk_ids, ranking, namespace, context, context_contents)
             if self.nodes.capacity_tokens
             else ()
         )
@@ -95,10 +97,11 @@ class NodeWriter:
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
         context: str = "",
+        context_contents: tuple[str, ...] = (),
     ) -> None:
         """``write`` on one thread (``single_thread``), as the promoter calls it."""
         with single_thread():
-            self.write(chunk_ids, kv, ranking, namespace, context)
+            self.write(chunk_ids, kv, ranking, namespace, context, context_contents)
 
 
 class Phase1:
@@ -229,6 +232,7 @@ class Phase1:
         chunk_ids = plan.pending.token_ids[start:end]
         slots = enc.slots
         context = plan.pending.context_of(start)
+        contents = plan.pending.context_contents if context else ()
         # All of it on one thread, as the copies: small ops, where OpenMP's barriers under
         # a serving load cost more than a second thread gains (``single_thread``).
         with single_thread():
@@ -241,10 +245,10 @@ class Phase1:
                 k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.forwards.reduce
             ).cpu()  # read on the host once: the plan, the chunk node and the tiers use it
             ns = plan.pending.namespace  # stored in its own namespace only
-            self.writer.write(chunk_ids, kv, ranking, ns, context)
+            self.writer.write(chunk_ids, kv, ranking, ns, context, contents)
             if lower is not None:
                 # Write-through: the host tier then puts it on disk in the background.
-                lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns, context)
+                lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns, context, contents)
             keep = max(start, plan.prefix)
             if keep == start:
                 kv_access.write_rotated(slots, kv, start)

@@ -36,14 +36,16 @@ class Promoter:
     """nodes: the chunk node table (``match``, ``generation``, ``capacity_tokens``).
     load_full(hit, chunk_ids): the chunk's whole KV # [L, 2, n, H, D], keys at 0..n-1, or
     None when its records are gone (run on the worker).
-    store(chunk_ids, kv, ranking, namespace, context): fills chunk nodes of ``namespace``
-    encoded after ``context`` (run on the scheduler's thread)."""
+    store(chunk_ids, kv, ranking, namespace, context, context_contents): fills chunk nodes
+    of ``namespace`` encoded after ``context`` (run on the scheduler's thread)."""
 
     def __init__(
         self,
         nodes: Any,
         load_full: Callable[[Any, ChunkIds], torch.Tensor | None],
-        store: Callable[[ChunkIds, torch.Tensor, torch.Tensor | None, str, str], None],
+        store: Callable[
+            [ChunkIds, torch.Tensor, torch.Tensor | None, str, str, tuple[str, ...]], None
+        ],
         metrics: PicMetrics,
     ) -> None:
         self.nodes = nodes
@@ -52,8 +54,8 @@ class Promoter:
         self.metrics = metrics
         self._pool: ThreadPoolExecutor | None = None
         # (namespace, context, chunk token ids) -> (full load, its ranking, the table's
-        # generation at submit)
-        self._jobs: dict[JobKey, tuple[Future[torch.Tensor | None], Any, int]] = {}
+        # generation at submit, the context's contents)
+        self._jobs: dict[JobKey, tuple[Future[torch.Tensor | None], Any, int, tuple[str, ...]]] = {}
 
     def __contains__(self, key: JobKey) -> bool:
         return key in self._jobs
@@ -68,10 +70,11 @@ class Promoter:
         ranking: torch.Tensor | None,  # [n]
         namespace: str = "",
         context: str = "",
+        context_contents: tuple[str, ...] = (),
     ) -> None:
-        """Starts loading one chunk of ``namespace`` (encoded after ``context``) for
-        promotion, unless it is under way, already a node, or the queue is full (counted
-        as a drop)."""
+        """Starts loading one chunk of ``namespace`` (encoded after ``context``, whose
+        first chunk's contents are ``context_contents``) for promotion, unless it is under
+        way, already a node, or the queue is full (counted as a drop)."""
         key = (namespace, context, chunk_ids)
         if self.nodes.capacity_tokens == 0 or key in self._jobs:
             return
@@ -83,11 +86,11 @@ class Promoter:
         if self._pool is None:
             self._pool = thread_pool(1, "sgl-pic-promote")
         job = self._pool.submit(self.load_full, hit, chunk_ids)
-        self._jobs[key] = (job, ranking, self.nodes.generation)
+        self._jobs[key] = (job, ranking, self.nodes.generation, context_contents)
 
     def finish_ready(self) -> None:
         """Fills chunk nodes with every promotion whose load has completed."""
-        for key, (job, _, _) in list(self._jobs.items()):
+        for key, (job, *_) in list(self._jobs.items()):
             if job.done():
                 self.finish(key)
 
@@ -95,7 +98,7 @@ class Promoter:
         """Waits up to ``timeout_s`` for one promotion's load and fills its chunk nodes
         (unless a flush came in between, or the load found the records gone). False when
         the load is still running: it stays queued, and the caller reads the lower tier."""
-        job, ranking, generation = self._jobs[key]
+        job, ranking, generation, contents = self._jobs[key]
         namespace, context, chunk_ids = key
         if generation != self.nodes.generation:
             # Begun before a flush, which dropped the chunk nodes: never waited for.
@@ -112,14 +115,14 @@ class Promoter:
             return True
         del self._jobs[key]
         if kv is not None and self.nodes.match(chunk_ids, namespace, context) is None:
-            self.store(chunk_ids, kv, ranking, namespace, context)
+            self.store(chunk_ids, kv, ranking, namespace, context, contents)
             self.metrics.promotions.inc()
         return True
 
     def close(self) -> None:
         """Drops queued promotions and joins the worker (shutdown): at most the one chunk
         read already running is waited for."""
-        for job, _, _ in self._jobs.values():
+        for job, *_ in self._jobs.values():
             job.cancel()
         self._jobs.clear()
         if self._pool is not None:
@@ -137,7 +140,15 @@ class Promote:
 
     def run(self, plans: Plans, ctx: BatchContext) -> None:
         for plan in plans.values():
+            pending = plan.pending
             for start, end, hit in plan.lower + plan.loaded_whole:
+                # Equal context digests mean an equal first chunk (``gate.encoding_context``).
+                contents = pending.context_contents if hit.context else ()
                 self.promoter.submit(
-                    hit, plan.pending.token_ids[start:end], hit.ranking, hit.namespace, hit.context
+                    hit,
+                    pending.token_ids[start:end],
+                    hit.ranking,
+                    hit.namespace,
+                    hit.context,
+                    contents,
                 )

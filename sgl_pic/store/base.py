@@ -47,6 +47,17 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+# Joins a record's content digests (``record_content``).
+CONTENT_SEPARATOR = "+"
+
+
+def record_content(token_ids_hash: str, context_contents: Sequence[str] = ()) -> str:
+    """What a deletion by content matches a record by (``deletion.Deletion``): its
+    segment's digest, then those of the first chunk it was encoded after, if any: its K/V
+    carry what attention took from that chunk, so deleting either deletes it."""
+    return CONTENT_SEPARATOR.join((token_ids_hash, *context_contents))
+
+
 def hash_token_ids(token_ids: Sequence[int]) -> str:
     """SHA-256 of the token ids as little-endian uint32 (the encoding of sgl_pic.keys)."""
     arr = np.asarray(token_ids, dtype=np.int64)
@@ -74,6 +85,9 @@ class ChunkKV:
                   default) or a 64-digit hex digest (``sgl_pic.engine.tenants``). The
                   key already names it; it is kept beside the KV so that a tenant's records
                   can be found without knowing their tokens.
+    context_contents: content digests of the segments of the first chunk this one was
+                  encoded after (``PicConfig.chunk_context``), () for a chunk encoded
+                  alone: a deletion of that chunk's content deletes this record too.
     """
 
     key: str
@@ -84,11 +98,15 @@ class ChunkKV:
     ranking: torch.Tensor | None = None
     layer_start: int = 0
     namespace: str = ""
+    context_contents: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_key(self.key)
         check_key(self.model_digest)
         check_namespace(self.namespace)
+        object.__setattr__(
+            self, "context_contents", tuple(check_key(c) for c in self.context_contents)
+        )
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
         if self.k.dim() != 4 or self.k.shape != self.v.shape:
             raise RecordShapeError(
@@ -112,6 +130,10 @@ class ChunkKV:
             )
         if self.layer_start < 0:
             raise RecordShapeError(f"layer_start must be >= 0, got {self.layer_start}")
+
+    def content(self) -> str:
+        """``record_content`` of this record (hashes its tokens: call once per use)."""
+        return record_content(hash_token_ids(self.token_ids), self.context_contents)
 
     @property
     def num_layers(self) -> int:

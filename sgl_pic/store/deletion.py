@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sgl_pic.store.base import hash_token_ids
+from sgl_pic.store.base import CONTENT_SEPARATOR, hash_token_ids
 
 
 def content_digest(token_ids: Sequence[int]) -> str:
@@ -82,10 +82,12 @@ class Deletion:
         return self.namespaces is None or namespace in self.namespaces
 
     def matches_digest(self, namespace: str, digest: str) -> bool:
-        """``matches`` for a record whose content digest is already known."""
-        return self.matches_namespace(namespace) and (
-            self.contents is None or digest in self.contents
-        )
+        """``matches`` for a record whose content (``base.record_content``: its digest,
+        and those of the chunk it was encoded after) is already known."""
+        if not self.matches_namespace(namespace):
+            return False
+        contents = self.contents
+        return contents is None or any(d in contents for d in digest.split(CONTENT_SEPARATOR))
 
     def matches(self, namespace: str, token_ids: Sequence[int]) -> bool:
         """Whether a record of ``namespace`` holding ``token_ids`` (one segment) is

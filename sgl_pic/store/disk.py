@@ -51,7 +51,6 @@ from sgl_pic.store.base import (
     LayerKV,
     RecordLayout,
     check_key,
-    hash_token_ids,
     register_store,
 )
 from sgl_pic.store.bounded import BoundedStore
@@ -305,7 +304,7 @@ class DiskStore(BoundedStore):
             if record.key in self._entries or record.key in self._pending:
                 return True
         enc = encode_record(record, self.config.block_tokens)
-        content, ns = hash_token_ids(record.token_ids), record.namespace
+        content, ns = record.content(), record.namespace
         self._maybe_regrow()
         with self._lock:
             if record.key in self._entries or record.key in self._pending:

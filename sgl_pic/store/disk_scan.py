@@ -89,8 +89,6 @@ def scan_root(
                 errors["unreadable"] += 1
                 continue
             found.append(
-                FoundRecord(
-                    st.st_mtime, header.key, st.st_size, header.namespace, header.token_ids_hash
-                )
+                FoundRecord(st.st_mtime, header.key, st.st_size, header.namespace, header.content)
             )
     return DiskScan(sorted(found), loose)

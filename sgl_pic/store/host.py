@@ -15,7 +15,6 @@ from sgl_pic.store.base import (
     EvictResult,
     LayerKV,
     RecordLayout,
-    hash_token_ids,
     layer_offsets,
     normalize_indices,
     register_store,
@@ -183,7 +182,7 @@ class HostStore(BoundedStore):
             since = self.deletions.seq
         if not self._accepts_model(record):
             return False
-        content = hash_token_ids(record.token_ids)
+        content = record.content()
         with self._lock:
             if record.key in self._entries:
                 return True
@@ -201,6 +200,7 @@ class HostStore(BoundedStore):
             ranking=None if record.ranking is None else self._copy(record.ranking).float(),
             layer_start=record.layer_start,
             namespace=record.namespace,
+            context_contents=record.context_contents,
         )
         with self._lock:
             if record.key in self._entries:
@@ -228,7 +228,7 @@ class HostStore(BoundedStore):
         sink, since = self._sink, self.deletions.seq
 
         def job() -> None:
-            content = lambda: hash_token_ids(record.token_ids)  # noqa: E731
+            content = record.content  # computed only if a deletion came since
             if self.deletions.covers(since, record.namespace, content):
                 with self._lock:
                     self._counts["deleted_in_flight"] += 1

@@ -69,6 +69,9 @@ def encode_header(
     }
     if tombstones_seen:
         header["tombstones_seen"] = tombstones_seen
+    if record.context_contents:
+        # Optional, as tombstones_seen: absent, the record was encoded alone.
+        header["context_contents"] = list(record.context_contents)
     return pack_header(header), areas
 
 

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import torch
 
-from sgl_pic.store.base import DTYPES, check_key, check_namespace, hash_token_ids
+from sgl_pic.store.base import DTYPES, check_key, check_namespace, hash_token_ids, record_content
 from sgl_pic.store.errors import (
     BadMagicError,
     CorruptRecordError,
@@ -51,6 +51,9 @@ class RecordHeader:
                to it. 0 when absent (older writers, local files): every tombstone
                applies. An optional field, ignored by older readers, which know no
                tombstones anyway: no format version change.
+    context_contents: ``ChunkKV.context_contents``; () when absent (a chunk encoded
+               alone). Optional too: an older reader serves no such chunk, whose key
+               it never asks for.
     """
 
     version: int
@@ -71,6 +74,12 @@ class RecordHeader:
     data_offset: int
     namespace: str = ""
     tombstones_seen: int = 0
+    context_contents: tuple[str, ...] = ()
+
+    @property
+    def content(self) -> str:
+        """``base.record_content`` of the record: what deletions match it by."""
+        return record_content(self.token_ids_hash, self.context_contents)
 
     @property
     def row_bytes(self) -> int:
@@ -179,6 +188,9 @@ def parse_header(
             data_offset=PREFIX_BYTES + header_len + (-(PREFIX_BYTES + header_len) % ALIGN),
             namespace=check_namespace(_str(h.get("namespace", ""))),
             tombstones_seen=_int(h, "tombstones_seen", low=0) if "tombstones_seen" in h else 0,
+            context_contents=tuple(
+                check_key(_str(c)) for c in _list(h.get("context_contents", []))
+            ),
         )
     except (KeyError, TypeError, ValueError, OverflowError, msgpack.UnpackException) as exc:
         raise CorruptRecordError(f"unreadable header: {exc}") from exc

@@ -184,6 +184,7 @@ class RecordFile:
             ranking=h.ranking,
             layer_start=h.layer_start,
             namespace=h.namespace,
+            context_contents=h.context_contents,
         )
 
 

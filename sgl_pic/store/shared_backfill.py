@@ -9,7 +9,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from sgl_pic.store.base import ChunkKV, hash_token_ids
+from sgl_pic.store.base import ChunkKV
 from sgl_pic.store.object_backend import BackendError, BackendUnavailable, PutOutcome
 from sgl_pic.store.record_encode import encode_record
 from sgl_pic.store.shared_deletion import SharedDeletions
@@ -85,7 +85,7 @@ class Backfill:
             record = source(key)
             if record is None or record.model_digest != self._model:
                 continue  # no longer held here: nothing to give
-            content = hash_token_ids(record.token_ids)
+            content = record.content()
             if self._deletions.dropped(since, record.namespace, content):
                 self._count("deleted_in_flight", 1)
                 continue

@@ -65,7 +65,7 @@ class SharedDeletions:
 
     def covers(self, header: RecordHeader) -> bool:
         """Whether a tombstone read so far, or a deletion not sent yet, covers a record."""
-        ns, content = header.namespace, header.token_ids_hash
+        ns, content = header.namespace, header.content
         if self.tombstones.covers(header.tombstones_seen, ns, content):
             return True
         with self._lock:

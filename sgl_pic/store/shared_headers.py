@@ -58,7 +58,4 @@ class HeaderCache:
     def known(self) -> dict[str, Known]:
         """(namespace, content digest, payload bytes) of every key held, for deletions."""
         with self._lock:
-            return {
-                k: (h.namespace, h.token_ids_hash, h.payload_bytes)
-                for k, h in self._headers.items()
-            }
+            return {k: (h.namespace, h.content, h.payload_bytes) for k, h in self._headers.items()}

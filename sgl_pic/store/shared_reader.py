@@ -249,6 +249,7 @@ class SharedReader:
             ranking=header.ranking,
             layer_start=header.layer_start,
             namespace=header.namespace,
+            context_contents=header.context_contents,
         )
 
     def get_layers(

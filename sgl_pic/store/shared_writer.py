@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-from sgl_pic.store.base import ChunkKV, RecordLayout, hash_token_ids
+from sgl_pic.store.base import ChunkKV, RecordLayout
 from sgl_pic.store.errors import LayoutMismatchError
 from sgl_pic.store.host import WriteBack, WriteBackConfig
 from sgl_pic.store.object_backend import BackendError, BackendUnavailable, PutOutcome
@@ -104,7 +104,7 @@ class SharedWriter:
 
         def write() -> None:
             try:
-                content = hash_token_ids(record.token_ids)
+                content = record.content()
                 if self.deletions.dropped(since, record.namespace, content):
                     self.counts.add("deleted_in_flight")
                     return

@@ -741,3 +741,20 @@ def test_a_namespace_at_its_cap_gives_up_its_own_and_never_more_than_it_has() ->
     table.unlock(hit.nodes)
     with pytest.raises(ValueError, match="namespace_max_tokens"):
         ChunkNodeTable(alloc, FP, SEG, 64, namespace_max_tokens=-1)
+
+
+def test_a_chunk_encoded_after_a_first_chunk_is_its_own_node_and_goes_with_it() -> None:
+    from sgl_pic.store.deletion import Deletion, segment_contents
+
+    table, alloc = make_table()
+    first, x = toks(100, 10), toks(200, 8)
+    context, contents = "c" * 64, tuple(sorted(segment_contents(first, 4)))
+    assert table.insert(first, None) and table.insert(x, None, "", context, contents)
+    assert table.match(x) is None  # encoded alone, x is another chunk
+    assert table.match(x, "", "d" * 64) is None
+    assert table.match(x, "", context) is not None
+    assert table.insert(x, None)  # stored alone too, beside it
+    rep = table.delete(Deletion(contents=segment_contents(first, 4)))
+    assert rep.records == 3 + 2  # first's three segments, x's two encoded after it
+    assert table.match(x, "", context) is None and table.match(x) is not None
+    assert_released(table, alloc)

@@ -43,7 +43,12 @@ def test_load_runs_on_a_confined_worker_and_fills_the_nodes() -> None:
         return torch.zeros(2, 2, len(chunk_ids), 1, 4)
 
     def store(
-        chunk_ids: tuple[int, ...], kv: torch.Tensor, _ranking: object, ns: str, context: str
+        chunk_ids: tuple[int, ...],
+        kv: torch.Tensor,
+        _ranking: object,
+        ns: str,
+        context: str,
+        _contents: tuple[str, ...],
     ) -> None:
         nodes.stored[(ns, context, chunk_ids)] = kv
 
@@ -63,7 +68,12 @@ def test_a_promotion_fills_only_its_own_namespace() -> None:
     nodes = Nodes()
 
     def store(
-        chunk_ids: tuple[int, ...], kv: torch.Tensor, _ranking: object, ns: str, context: str
+        chunk_ids: tuple[int, ...],
+        kv: torch.Tensor,
+        _ranking: object,
+        ns: str,
+        context: str,
+        _contents: tuple[str, ...],
     ) -> None:
         nodes.stored[(ns, context, chunk_ids)] = kv
 

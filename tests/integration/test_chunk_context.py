@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.support.prompts import body, chunked
+from tests.support.prompts import DOCS, body, chunked
 from tests.support.server import Server, launch
 
 pytestmark = pytest.mark.sglang
@@ -99,3 +99,27 @@ def test_a_first_chunk_after_fresh_text_is_computed_with_each_miss(server: Serve
     toks, spans = chunked(["B", "C"], "Where is Quito?", header="Walrus memo.\n")
     _, d = server.send(body(toks, spans, n=1, policy="full_reuse"))
     assert d[MISSES] == 1 and d[ENCODED] == spans[0][1] + spans[1][1] - spans[1][0]
+
+
+def test_deleting_a_first_chunk_deletes_the_chunks_encoded_after_it(server: Server) -> None:
+    """Their K/V carry what attention took from it: a deletion of its content (as text,
+    every namespace) takes them from every tier with it; chunks encoded after another
+    first chunk stay."""
+    import requests
+
+    for names in (["A", "B", "C"], ["D", "B", "C"]):
+        server.send(body(*chunked(names, "Which city?"), n=1))
+    _, d = server.send(body(*chunked(["A", "C", "B"], "Which port?"), n=1))
+    assert (sum(d[h] for h in HITS), d[MISSES]) == (2, 0)
+    # Host and disk keep their copies: the device's alone would not show every tier.
+    r = requests.post(server.url + "/pic/delete", json={"text": DOCS["A"] + "\n"}, timeout=300)
+    assert r.status_code == 200, r.text
+    tiers = r.json()["deleted"]["tiers"]
+    # A itself, B and C encoded after it (and A encoded after other first chunks, by the
+    # tests before), in each of the device and host tiers.
+    assert tiers["device"]["records"] >= 3 and tiers["host"]["records"] >= 3
+    _, d = server.send(body(*chunked(["A", "B", "C"], "Which river?"), n=1))
+    assert d[MISSES] == 3
+    # D too is a hit now: a deletion moves chunked requests to fresh prefix namespaces.
+    _, d = server.send(body(*chunked(["D", "C", "B"], "Which sun?"), n=1))
+    assert (sum(d[h] for h in HITS), d[MISSES]) == (3, 0)

@@ -205,3 +205,27 @@ def test_deletion_amid_many_slow_write_backs_leaves_nothing_behind(
     assert store.disk.bytes_by_namespace().keys() == {NS_B}
     store.close()
     assert disk(tmp_path).bytes_by_namespace().keys() == {NS_B}
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_record_encoded_after_a_first_chunk_goes_with_its_content(
+    tier: str, tmp_path: Path
+) -> None:
+    """A record carries the contents of the first chunk it was encoded after (its header
+    on disk, read again by a later run's index): deleting that chunk's content deletes it,
+    and deleting its own content still does."""
+    first, other = rec(1), rec(2)
+    after = replace(rec(3), context_contents=(content_digest(first.token_ids),))
+    alone = rec(4)
+    elsewhere = replace(rec(5), context_contents=(content_digest(other.token_ids),))
+    store = host() if tier == "host" else disk(tmp_path)
+    for r in (first, after, alone, elsewhere):
+        assert store.put(r)
+    if isinstance(store, DiskStore):
+        store = disk(tmp_path)  # the index rebuilt from the headers
+        got = store.get(after.key, after.token_ids)
+        assert got is not None and got.context_contents == after.context_contents
+    assert store.delete(by_content(first)).records == 2  # first, and the one after it
+    assert not store.contains(after.key) and store.contains(alone.key)
+    assert store.contains(elsewhere.key)  # encoded after another first chunk: kept
+    assert store.delete(by_content(elsewhere)).records == 1  # by its own content too

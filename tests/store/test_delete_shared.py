@@ -246,3 +246,28 @@ def test_deletion_made_while_the_store_is_down_reaches_the_others_when_it_is_bac
         a.close()
         b.close()
         svc.stop()
+
+
+def test_a_tombstone_of_a_first_chunk_covers_the_records_encoded_after_it(
+    tmp_path: Path, service: SharedStoreService
+) -> None:
+    """Another server's record encoded after a first chunk (its shared header carries the
+    chunk's contents) is covered by a deletion of that chunk's content it never saw."""
+    a, b = server(tmp_path / "a", service.url), server(tmp_path / "b", service.url)
+    try:
+        system = rec(121)
+        after = replace(rec(122), context_contents=(content_digest(system.token_ids),))
+        b.put(after)
+        b.flush()
+        a.delete(Deletion(contents=frozenset({content_digest(system.token_ids)})))
+        c = server(tmp_path / "c", service.url)
+        try:
+            assert c.get(after.key, after.token_ids) is None  # the tombstone covers it
+            assert not in_store(c, after.key)
+        finally:
+            c.close()
+        b.sync_deletions()
+        assert b.locate(after.key) is None  # b's own copies are gone too
+    finally:
+        a.close()
+        b.close()

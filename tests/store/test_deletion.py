@@ -7,6 +7,7 @@ import hashlib
 import pytest
 
 from sgl_pic.keys import ModelFingerprint, segment_keys
+from sgl_pic.store.base import record_content
 from sgl_pic.store.deletion import DeleteReport, Deletion, content_digest, segment_contents
 
 NS = "ab" * 32
@@ -61,3 +62,14 @@ def test_deletion_matches_namespace_content_and_both() -> None:
 def test_delete_report_fields() -> None:
     r = DeleteReport(records=2, nbytes=64)
     assert (r.records, r.nbytes) == (2, 64)
+
+
+def test_a_record_content_matches_by_any_of_its_digests() -> None:
+    own, context = content_digest([1, 2]), content_digest([3, 4])
+    content = record_content(own, (context,))
+    assert content == record_content(own, (context,)) and record_content(own) == own
+    for named in (own, context):
+        assert Deletion(contents=frozenset({named})).matches_digest("", content)
+    assert not Deletion(contents=frozenset({content_digest([5])})).matches_digest("", content)
+    other_tenant = Deletion(namespaces=frozenset({"a" * 64}), contents=frozenset({context}))
+    assert not other_tenant.matches_digest("", content)

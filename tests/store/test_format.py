@@ -184,6 +184,9 @@ def test_a_valid_record_of_another_build_is_foreign_or_newer_never_corrupt(tmp_p
         {"k_sums": "not a list"},
         {"v_sums": [3]},
         {"key": None},
+        {"context_contents": "ab"},
+        {"context_contents": ["not a digest"]},
+        {"context_contents": [7]},
     ],
     ids=lambda c: "-".join(f"{k}={v!r}" for k, v in c.items()),
 )
