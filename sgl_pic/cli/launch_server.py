@@ -41,9 +41,13 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 
 def build(argv: list[str]) -> tuple[list[str], argparse.Namespace, PicConfig]:
     """(SGLang argv, our namespace, PicConfig); SGLang's argv gets our defaults added."""
-    ns, rest = pic_arg_parser().parse_known_args(argv)
+    parser = pic_arg_parser()
+    ns, rest = parser.parse_known_args(argv)
     page = _flag_value(rest, "--page-size")
-    config = PicConfig(**config_kwargs(ns), page_size=int(page) if page else 1)
+    try:
+        config = PicConfig(**config_kwargs(ns), page_size=int(page) if page else 1)
+    except ValueError as e:  # settings that do not go together
+        parser.error(str(e))
     if _flag_value(rest, "--model-path") is None and _flag_value(rest, "--model") is None:
         from sgl_pic.model.embedded import ensure_embedded_model
 
@@ -162,7 +166,10 @@ def launch_check(server_args: Any, config: PicConfig) -> PicConfig:
             config.page_size,
             page,
         )
-    config = dataclasses.replace(config, page_size=page)
+    try:
+        config = dataclasses.replace(config, page_size=page)
+    except ValueError as e:  # a setting that needs another page size
+        raise SystemExit(f"sgl_pic: {e} (SGLang resolved --page-size {page})") from e
     support = check_launch(server_args, config.page_size)
     graphs = getattr(view, "cuda_graph_config", None)
     prefill_graph = getattr(getattr(graphs, "prefill", None), "backend", None)

@@ -116,6 +116,13 @@ def test_chunk_starts_are_padded_to_the_page_size_sglang_resolved(
         launch_check(args, config)
     assert "chunk reuse will be off (backend)" in caplog.text
     assert "lifted by --attention-backend" in caplog.text
+    # Chunks encoded after their context need a page of one token: a launch SGLang gives
+    # another page size stops with why, not a traceback.
+    _, _, config = build([*MODEL, "--pic-chunk-context", "first_chunk"])
+    with pytest.raises(SystemExit, match="needs page size 1.*resolved --page-size 64"):
+        launch_check(args, config)
+    with pytest.raises(SystemExit):
+        build([*MODEL, "--pic-chunk-context", "first_chunk", "--page-size", "16"])
 
 
 @pytest.mark.sglang
