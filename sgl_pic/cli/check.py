@@ -45,6 +45,7 @@ from sgl_pic.layout import PromptLayout
 
 if TYPE_CHECKING:
     from sgl_pic.oracle import Oracle
+    from sgl_pic.oracle.oracle import ChunkKV
 
 # Far enough that a rotation error in any frequency band shows, within every model's range.
 ROTATION_SHIFT = 3000
@@ -116,6 +117,26 @@ class CheckReport:
         return "; ".join(f"{c.name}: {c.detail}" for c in self.checks if not c.passed)
 
 
+def served_chunks(
+    oracle: Oracle,
+    ids: torch.Tensor,  # [N] the prompt
+    layout: PromptLayout,
+    config: PicConfig,
+    alone: list[ChunkKV],
+) -> list[ChunkKV]:
+    """The chunk KV the server would store for this prompt under ``config``: ``alone``
+    (each chunk encoded alone), or under ``chunk_context="first_chunk"`` every chunk past
+    the first encoded after exact prefill of the prompt's tokens through the first chunk
+    (what phase 1 encodes it after)."""
+    if config.chunk_context == "none" or len(layout.chunks) < 2:
+        return alone
+    end = layout.chunks[0].end
+    context = oracle.prefill(ids[:end]).kv
+    return [alone[0]] + [
+        oracle.encode_chunk(ids[s.start : s.end], prefix=context) for s in layout.chunks[1:]
+    ]
+
+
 def run_check(
     model_path: str | Path,
     config: PicConfig | None = None,
@@ -174,12 +195,14 @@ def _checks(
     for prompt in prompts:
         ids, layout = prompt.token_ids, prompt.layout
         full = oracle.prefill(ids)
-        chunks = [oracle.encode_chunk(ids[s.start : s.end]) for s in layout.chunks]
+        alone = [oracle.encode_chunk(ids[s.start : s.end]) for s in layout.chunks]
+        chunks = served_chunks(oracle, ids, layout, config, alone)
         for exact in exact_configs:
             res = oracle.reuse(ids, layout, chunks, make_policy(exact))
             worst_exact = max(worst_exact, float((res.logits - full.logits).abs().max()))
         ours = oracle.reuse(ids, layout, chunks, make_policy(config))
-        base = oracle.reuse(ids, layout, chunks, make_policy(reuse))
+        # Full reuse of chunks encoded alone: the baseline every figure is read against.
+        base = oracle.reuse(ids, layout, alone, make_policy(reuse))
         tokens = oracle.generate_batch(
             [full.kv, ours.kv],
             torch.stack([full.logits, ours.logits]),

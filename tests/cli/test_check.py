@@ -92,3 +92,29 @@ def test_a_directory_without_a_model_fails_with_the_reason(tmp_path: Path) -> No
 def test_thresholds_are_validated(kw: dict) -> None:
     with pytest.raises(ValueError):
         CheckThresholds(**kw)
+
+
+def test_the_gate_encodes_chunks_as_the_server_stores_them(tiny_oracle: Oracle) -> None:
+    """Under ``chunk_context="first_chunk"`` every chunk past the first is encoded after
+    exact prefill of the prompt through the first chunk (a header before it included); at
+    a full budget reuse over them is still exact prefill."""
+    from sgl_pic.cli.check import served_chunks
+    from sgl_pic.layout import PromptLayout
+    from sgl_pic.selection import make_policy
+
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(5))
+    layout = PromptLayout.from_spans(40, [[2, 12], [12, 22], [25, 35]])
+    alone = [tiny_oracle.encode_chunk(ids[s.start : s.end]) for s in layout.chunks]
+    assert served_chunks(tiny_oracle, ids, layout, PicConfig(), alone) is alone
+    config = PicConfig(chunk_context="first_chunk")
+    chunks = served_chunks(tiny_oracle, ids, layout, config, alone)
+    assert chunks[0] is alone[0]
+    prefix = tiny_oracle.prefill(ids[:12]).kv
+    for got, s in zip(chunks[1:], layout.chunks[1:], strict=True):
+        want = tiny_oracle.encode_chunk(ids[s.start : s.end], prefix=prefix)
+        assert got.base_position == 12 and torch.equal(got.kv.v, want.kv.v)
+        assert not torch.allclose(got.kv.v, alone[layout.chunks.index(s)].kv.v)
+    full = tiny_oracle.prefill(ids).logits
+    exact = config.with_overrides(qa_ratio=1.0)
+    got = tiny_oracle.reuse(ids, layout, chunks, make_policy(exact)).logits
+    assert torch.allclose(got, full, atol=1e-4)
