@@ -123,3 +123,18 @@ def test_deleting_a_first_chunk_deletes_the_chunks_encoded_after_it(server: Serv
     # D too is a hit now: a deletion moves chunked requests to fresh prefix namespaces.
     _, d = server.send(body(*chunked(["D", "C", "B"], "Which sun?"), n=1))
     assert (sum(d[h] for h in HITS), d[MISSES]) == (3, 0)
+
+
+def test_a_request_cut_into_prefill_pieces_is_served_the_same_kv() -> None:
+    """Planned whole at its first piece (a scratch row standing for the prompt), a split
+    request encodes its misses after the first chunk as an unsplit one does: computed
+    with the chunk, or read from the device prefix."""
+    with launch("--pic-chunk-context", "first_chunk", "--chunked-prefill-size", "24") as split:
+        toks, spans = chunked(["E", "A", "B"], "Which city has temples?")
+        d = served_matches(split, toks, spans)
+        assert d["sgl_pic_split_requests_total"] == 1 and d[MISSES] == 3
+        toks, spans = chunked(["E", "B", "C"], "Which city is on the equator?")
+        d = served_matches(split, toks, spans)
+        assert d["sgl_pic_split_requests_total"] == 1 and d["cached_tokens"] >= spans[0][1]
+        assert (sum(d[h] for h in HITS), d[MISSES]) == (1, 1)
+        assert d[ENCODED] == spans[2][1] - spans[2][0]
