@@ -200,8 +200,8 @@ class ChunkNodeTable:
         context: str = "",
         context_contents: tuple[str, ...] = (),
     ) -> tuple[tuple[ChunkNode, ...], Keys] | None:
-        """Allocates the segments of ``namespace`` (encoded after ``context``) not yet held
-        and links them in; returns
+        """Allocates the segments of ``namespace`` (encoded after ``context``, whose first
+        chunk's contents are ``context_contents``) not yet held and links them in; returns
         (new nodes, their keys) for the caller to fill with KV before anything reads them
         (the scheduler thread does both, so nothing can read them in between). None when
         the slots cannot be had within the capacity; nothing is changed then."""
@@ -230,17 +230,15 @@ class ChunkNodeTable:
             n = k.end - k.start
             take = self._padded(n)
             i = by_digest[k.digest]
-            parent = keys[i - 1].digest if i > 0 else None
+            own = content_digest(list(token_ids[k.start : k.end]))
             node = ChunkNode(
                 key=k.digest,
-                parent=parent,
+                parent=keys[i - 1].digest if i > 0 else None,
                 slots=slots[at : at + take],
                 num_tokens=n,
                 ranking=None if ranking is None else ranking[k.start : k.end].clone(),
                 namespace=namespace,
-                content=record_content(
-                    content_digest(list(token_ids[k.start : k.end])), context_contents
-                ),
+                content=record_content(own, context_contents),
                 last_access=now,
                 priority=self.eviction.priority(1, take),
             )
@@ -248,8 +246,8 @@ class ChunkNodeTable:
             self._nodes[k.digest] = node
             self._allocated += take
             self._by_namespace[namespace] = self._by_namespace.get(namespace, 0) + take
-            if parent is not None and parent in self._nodes:
-                self._nodes[parent].children += 1
+            if node.parent is not None and node.parent in self._nodes:
+                self._nodes[node.parent].children += 1
             new.append(node)
         return tuple(new), tuple(missing)
 
