@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 from pathlib import Path
 from typing import Any
 
 from _common import RESULTS, write_json
+
+from sgl_pic.fidelity import paired_ratio_ci
 
 ORACLE = "oracle_selection"
 
@@ -42,22 +43,22 @@ def target(fidelity: dict[str, Any], budget: float = 0.15, seed: int = 0) -> lis
     first-token KL as a multiple of the floor's."""
     rows = fidelity["rows"]
     reuse = {r["example"]: r["kl"] for r in rows if r["variant"] == "full_reuse"}
-    rng = random.Random(seed)
     examples = sorted(reuse)
-    draws = [rng.choices(examples, k=len(examples)) for _ in range(2000)]
+    den = [reuse[e] for e in examples]
     floor = next((s for s in fidelity["summary"] if s["policy"] == "exact_bfloat16"), None)
     out = []
     for s in fidelity["summary"]:
         if s["recompute_fraction"] > budget + 1e-3 or s["variant"] == "full_reuse":
             continue
         kl = {r["example"]: r["kl"] for r in rows if r["variant"] == s["variant"]}
-        ratios = sorted(sum(kl[e] for e in d) / sum(reuse[e] for e in d) for d in draws)
+        # The same resamples for every variant (one seed).
+        ci = paired_ratio_ci([kl[e] for e in examples], den, seed)
         out.append(
             {
                 "variant": s["variant"],
                 "recompute_fraction": s["recompute_fraction"],
                 "kl_over_full_reuse": s["kl"] / statistics.fmean(reuse.values()),
-                "kl_over_full_reuse_ci95": [ratios[50], ratios[1949]],
+                "kl_over_full_reuse_ci95": ci,
                 "greedy_agreement": s["greedy_agreement"],
                 "greedy_agreement_ci95": s["greedy_agreement_ci95"],
             }

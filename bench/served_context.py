@@ -19,12 +19,12 @@ was dirty).
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
 
@@ -37,7 +37,12 @@ from _common import (  # noqa: E402
 )
 from _server import delta, launch  # noqa: E402
 
-from sgl_pic.fidelity import bootstrap_ci  # noqa: E402
+from sgl_pic.fidelity import (  # noqa: E402
+    bootstrap_ci,
+    first_token_kl,
+    greedy_agreement,
+    paired_ratio_ci,
+)
 from sgl_pic.prompts import build_prompt, load_rag_examples, truncate_tokens  # noqa: E402
 
 SETTINGS = ("none", "first_chunk")
@@ -64,26 +69,15 @@ def first_logprobs(out: dict[str, Any]) -> dict[int, float]:
 
 
 def kl(ref: dict[int, float], test: dict[int, float]) -> float:
-    """KL(exact || reuse) in nats over the tokens both list (the whole vocabulary here)."""
-    return max(0.0, sum(math.exp(lp) * (lp - test[t]) for t, lp in ref.items()))
+    """``fidelity.first_token_kl`` (exact || reuse) in nats over the tokens ``ref`` lists
+    (the whole vocabulary here), from their log-probabilities."""
+    ids = sorted(ref)
+    return first_token_kl(torch.tensor([ref[t] for t in ids]), torch.tensor([test[t] for t in ids]))
 
 
 def agreement(ref: list[int], test: list[int]) -> float:
-    """Fraction of positions before the first divergence (``fidelity.greedy_agreement``)."""
-    n = len(ref)
-    return next((i / n for i, (a, b) in enumerate(zip(ref, test, strict=True)) if a != b), 1.0)
-
-
-def paired_ratio_ci(num: list[float], den: list[float], n: int = 2000) -> list[float]:
-    """95% bootstrap interval of mean(num) / mean(den), resampling examples in pairs."""
-    rng = random.Random(0)
-    idx = range(len(num))
-    ratios = []
-    for _ in range(n):
-        pick = rng.choices(idx, k=len(num))
-        ratios.append(sum(num[i] for i in pick) / max(sum(den[i] for i in pick), 1e-12))
-    ratios.sort()
-    return [ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]]
+    """``fidelity.greedy_agreement`` of two servers' output ids."""
+    return greedy_agreement(torch.tensor(ref), torch.tensor(test))
 
 
 def prompts(args: argparse.Namespace) -> list[tuple[list[int], list[list[int]], list[list[int]]]]:

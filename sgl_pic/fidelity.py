@@ -159,6 +159,21 @@ def bootstrap_ci(values: Sequence[float], seed: int = 0, n: int = 2000) -> list[
     return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
 
 
+def paired_ratio_ci(
+    num: Sequence[float], den: Sequence[float], seed: int = 0, n: int = 2000
+) -> list[float]:
+    """95% percentile bootstrap interval of sum(num) / sum(den) over examples, as [low,
+    high]: examples resampled, both sums taken on the same resample (``num[i]`` and
+    ``den[i]`` are one example's)."""
+    if len(num) != len(den) or not num:
+        raise ValueError(f"need two equal non-empty lists, got {len(num)} and {len(den)}")
+    rng = random.Random(seed)
+    idx = range(len(num))
+    draws = (rng.choices(idx, k=len(num)) for _ in range(n))
+    ratios = sorted(sum(num[i] for i in d) / sum(den[i] for i in d) for d in draws)
+    return [ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]]
+
+
 def until_stop(
     tokens: torch.Tensor,  # [n] a greedy continuation
     stop_ids: Collection[int],

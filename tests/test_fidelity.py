@@ -13,6 +13,7 @@ from sgl_pic.fidelity import (
     bootstrap_ci,
     first_token_kl,
     oracle_in_dtype,
+    paired_ratio_ci,
     position_fidelity,
     rouge_l,
     teacher_forced_logits,
@@ -129,3 +130,14 @@ def test_bootstrap_ci() -> None:
     assert bootstrap_ci(values, seed=1) != [lo, hi]
     with pytest.raises(ValueError):
         bootstrap_ci([])
+
+
+def test_paired_ratio_ci_resamples_examples_in_pairs() -> None:
+    num = [0.1 * (i % 5 + 1) for i in range(40)]
+    den = [2 * x for x in num]
+    assert paired_ratio_ci(num, den) == pytest.approx([0.5, 0.5])  # paired: exact
+    lo, hi = paired_ratio_ci(num, list(reversed(den)))
+    assert lo < 0.5 < hi
+    assert paired_ratio_ci(num, den[::-1], seed=1) != [lo, hi]
+    with pytest.raises(ValueError):
+        paired_ratio_ci(num, den[:3])

@@ -1,5 +1,6 @@
 """bench/served_context.py's pieces: the KL and agreement it reads from server answers,
-its paired ratio interval and its summary."""
+and its summary (the paired ratio interval is ``fidelity.paired_ratio_ci``'s, tested in
+tests/test_fidelity.py)."""
 
 from __future__ import annotations
 
@@ -32,14 +33,6 @@ def test_agreement_stops_at_the_first_divergence(bench: ModuleType) -> None:
     assert bench.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
     assert bench.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
     assert bench.agreement([1, 2, 3, 4], [7, 2, 3, 4]) == 0.0
-
-
-def test_paired_ratio_interval_holds_the_ratio(bench: ModuleType) -> None:
-    num = [0.1 * (i % 5 + 1) for i in range(40)]
-    den = [2 * x for x in num]
-    assert bench.paired_ratio_ci(num, den) == pytest.approx([0.5, 0.5])  # paired: exact
-    lo, hi = bench.paired_ratio_ci(num, list(reversed(den)))
-    assert lo < 0.5 < hi
 
 
 def test_summary_pairs_the_settings(bench: ModuleType) -> None:
