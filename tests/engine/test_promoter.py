@@ -25,12 +25,24 @@ class Nodes:
     generation = 0
 
     def __init__(self) -> None:
-        self.stored: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.stored: dict[tuple[str, str, tuple[int, ...]], torch.Tensor] = {}
 
     def match(
         self, chunk_ids: tuple[int, ...], namespace: str = "", context: str = ""
     ) -> torch.Tensor | None:
         return self.stored.get((namespace, context, chunk_ids))
+
+    def store(
+        self,
+        chunk_ids: tuple[int, ...],
+        kv: torch.Tensor,
+        _ranking: object,
+        ns: str,
+        context: str,
+        _contents: tuple[str, ...],
+    ) -> None:
+        """The promoter's ``store``: fills the node of (namespace, context, chunk)."""
+        self.stored[(ns, context, chunk_ids)] = kv
 
 
 def test_load_runs_on_a_confined_worker_and_fills_the_nodes() -> None:
@@ -42,18 +54,8 @@ def test_load_runs_on_a_confined_worker_and_fills_the_nodes() -> None:
         seen.append(torch.get_num_threads())
         return torch.zeros(2, 2, len(chunk_ids), 1, 4)
 
-    def store(
-        chunk_ids: tuple[int, ...],
-        kv: torch.Tensor,
-        _ranking: object,
-        ns: str,
-        context: str,
-        _contents: tuple[str, ...],
-    ) -> None:
-        nodes.stored[(ns, context, chunk_ids)] = kv
-
     metrics = SimpleNamespace(promotions=Count(), queue_drops=Count())
-    promoter = Promoter(nodes, load_full, store, metrics)  # type: ignore[arg-type]
+    promoter = Promoter(nodes, load_full, nodes.store, metrics)  # type: ignore[arg-type]
     ids = (5, 6, 7)
     promoter.submit(object(), ids, None)
     assert promoter.finish(("", "", ids), timeout_s=30)
@@ -67,21 +69,11 @@ def test_a_promotion_fills_only_its_own_namespace() -> None:
     tenant B are promoted on their own, into B's."""
     nodes = Nodes()
 
-    def store(
-        chunk_ids: tuple[int, ...],
-        kv: torch.Tensor,
-        _ranking: object,
-        ns: str,
-        context: str,
-        _contents: tuple[str, ...],
-    ) -> None:
-        nodes.stored[(ns, context, chunk_ids)] = kv
-
     metrics = SimpleNamespace(promotions=Count(), queue_drops=Count())
     promoter = Promoter(
         nodes,
         lambda _h, ids: torch.zeros(1, 2, len(ids), 1, 1),
-        store,
+        nodes.store,
         metrics,  # type: ignore[arg-type]
     )
     ids = (1, 2, 3)
