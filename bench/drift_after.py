@@ -65,7 +65,7 @@ from _common import (  # noqa: E402
     percentile,
     write_json,
 )
-from drift_estimate import fit, judge, prepare, spearman  # noqa: E402
+from drift_estimate import add_study_options, fit, judge, prepare, spearman  # noqa: E402
 from drift_target import Fit, climb, fit_law  # noqa: E402
 
 from sgl_pic.config import PicConfig  # noqa: E402
@@ -313,17 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fit-examples", type=int, default=20, help="examples below N fit, the rest judge"
     )
-    p.add_argument("--passages", type=int, default=8)
-    p.add_argument("--passage-tokens", type=int, default=256)
-    p.add_argument(
-        "--ratios",
-        type=float,
-        nargs="+",
-        default=[0.05, 0.1, 0.15, 0.3],
-        help="query_aware budgets (fractions of the reused tokens)",
-    )
-    p.add_argument("--ridge", type=float, default=1e-3, help="L2 penalty of the fits")
-    p.add_argument("--threads", type=int, default=2)
+    add_study_options(p)
     p.add_argument("--merge", type=Path, nargs="+", help="judge the rows of these runs together")
     add_out_option(p, "drift_after.json", as_path=True)
     args = p.parse_args(argv)

@@ -195,12 +195,8 @@ def judge(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_data_option(p, as_path=True)
-    add_model_option(p)
-    p.add_argument("--examples", type=int, default=40)
-    p.add_argument("--fit-examples", type=int, default=20, help="the first N fit, the rest judge")
+def add_study_options(p: argparse.ArgumentParser) -> None:
+    """The prompts, budgets and fit of a drift study (this script's and drift_after's)."""
     p.add_argument("--passages", type=int, default=8)
     p.add_argument("--passage-tokens", type=int, default=256)
     p.add_argument(
@@ -210,8 +206,17 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.05, 0.1, 0.15, 0.3],
         help="query_aware budgets (fractions of the reused tokens)",
     )
-    p.add_argument("--ridge", type=float, default=1e-3, help="L2 penalty of the fit")
+    p.add_argument("--ridge", type=float, default=1e-3, help="L2 penalty of the fits")
     p.add_argument("--threads", type=int, default=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_data_option(p, as_path=True)
+    add_model_option(p)
+    p.add_argument("--examples", type=int, default=40)
+    p.add_argument("--fit-examples", type=int, default=20, help="the first N fit, the rest judge")
+    add_study_options(p)
     add_out_option(p, "drift_estimate.json", as_path=True)
     args = p.parse_args(argv)
     if not 1 <= args.fit_examples < args.examples:
