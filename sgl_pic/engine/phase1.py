@@ -134,11 +134,12 @@ class Phase1:
         where: list[Encoding] = []
         temp: list[torch.Tensor] = []
         try:
-            short = False
+            short = takes = False
             for plan, start, end in misses:
                 own, context = end - start, self._context_end(plan, start)
                 computed = plan.pending.context_computed(start, plan.prefix)
                 taken = own * (start < plan.prefix) + context * computed
+                takes |= taken > 0
                 slots = None
                 if taken:
                     slots = take_slots(self.writer.nodes.allocator, taken, self.make_room)
@@ -160,10 +161,6 @@ class Phase1:
             # The misses are the same on every tensor-parallel rank (``Lookup``), so is
             # whether this collective runs; a rank short of slots sends all of them to
             # exact prefill.
-            takes = any(
-                start < plan.prefix or plan.pending.context_computed(start, plan.prefix)
-                for plan, start, _ in misses
-            )
             if takes and not self.ranks.all_of([not short])[0]:
                 raise NoScratchRows("no free slots to encode a chunk or its context")
             self._encode(misses, where, ctx)

@@ -28,7 +28,9 @@ def server() -> Iterator[Server]:
 
 def context_reference(toks: list[int], spans: list[list[int]]) -> torch.Tensor:
     """The oracle's next-token log-probabilities (# [vocab] float64) for full reuse of
-    the first chunk's independent KV and every later chunk's KV encoded after it."""
+    the first chunk's independent KV and every later chunk's KV encoded after it
+    (``check.served_chunks``, checked against the oracle's encoding in test_check)."""
+    from sgl_pic.cli.check import served_chunks
     from sgl_pic.config import PicConfig
     from sgl_pic.layout import PromptLayout
     from sgl_pic.model.embedded import ensure_embedded_model
@@ -38,9 +40,8 @@ def context_reference(toks: list[int], spans: list[list[int]]) -> torch.Tensor:
     oracle = Oracle.from_pretrained(ensure_embedded_model().path)
     t = torch.tensor(toks)
     layout = PromptLayout.from_spans(len(toks), spans)
-    (s0, e0), *rest = spans
-    first = oracle.encode_chunk(t[s0:e0])
-    chunks = [first] + [oracle.encode_chunk(t[s:e], prefix=first.kv) for s, e in rest]
+    alone = [oracle.encode_chunk(t[s:e]) for s, e in spans]
+    chunks = served_chunks(oracle, t, layout, PicConfig(chunk_context="first_chunk"), alone)
     policy = make_policy(PicConfig(policy="full_reuse"))
     return torch.log_softmax(oracle.reuse(t, layout, chunks, policy).logits.double(), -1)
 
