@@ -8,7 +8,9 @@ in every process (scheduler included) and then applies the hooks. It is idempote
 ``PicRuntime``, the one owner of its state; the hooks (``binding.hooks``) pass straight
 through to SGLang unless it was built in that process, so installing the plugin never
 changes a server that does not select it. One hook only reads the clock, in every server
-(``forward_timer``: seconds in forwards by kind).
+(``forward_timer``: seconds in forwards by kind); one adds the drift signal to OpenAI chat
+responses (``http.openai_meta``), only where this backend's scheduler put it in
+``meta_info``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from sgl_pic.binding import hooks
 from sgl_pic.binding.forward_timer import FORWARD_TARGET, ForwardTimer
 from sgl_pic.binding.settings import BACKEND_NAME
+from sgl_pic.http import openai_meta
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ def register() -> None:
     HookRegistry.register(
         hooks.PREFILL_ADDER_TARGET, hooks.PrefillAdderFactory().hook, HookType.AROUND
     )
+    HookRegistry.register(openai_meta.CHAT_TARGET, openai_meta.after_build_response, HookType.AFTER)
 
 
 def build_tree_cache(ctx: Any) -> Any:

@@ -368,34 +368,63 @@ def test_bad_marks_get_400_and_server_keeps_serving(server: Server, req: dict, n
     assert ok.status_code == 200, ok.text
 
 
-def test_openai_chat_marks_reach_the_chunk_cache(server: Server) -> None:
+def _chat_body(question: str = "Where is the midnight sun seen?", **extra: Any) -> dict[str, Any]:
     from tests.support.prompts import DOCS
 
+    return {
+        "model": "default",
+        "messages": [
+            {"role": "user", "content": DOCS["A"], "pic_chunk": True},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": DOCS["D"], "pic_chunk": True},
+                    {"type": "text", "text": question},
+                ],
+            },
+        ],
+        "temperature": 0,
+        "max_tokens": 6,
+        **extra,
+    }
+
+
+def test_openai_chat_marks_reach_the_chunk_cache(server: Server) -> None:
+    from sgl_pic.binding.drift_signal import META_KEY
+
     before = server.metrics()
-    r = requests.post(
-        server.url + "/v1/chat/completions",
-        json={
-            "model": "default",
-            "messages": [
-                {"role": "user", "content": DOCS["A"], "pic_chunk": True},
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": DOCS["D"], "pic_chunk": True},
-                        {"type": "text", "text": "Where is the midnight sun seen?"},
-                    ],
-                },
-            ],
-            "temperature": 0,
-            "max_tokens": 6,
-        },
-        timeout=300,
-    )
+    r = requests.post(server.url + "/v1/chat/completions", json=_chat_body(), timeout=300)
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"]
+    out = r.json()
+    assert out["choices"][0]["message"]["content"]
     after = server.metrics()
     assert after["sgl_pic_requests_total"] == before["sgl_pic_requests_total"] + 1
     assert after["sgl_pic_chunk_lookups_total"] == before["sgl_pic_chunk_lookups_total"] + 2
+    # Served by reuse: the drift signal is in the response's metadata, beside SGLang's own.
+    (entropy,) = out["metadata"][META_KEY]
+    assert 0.0 <= entropy < 20.0 and "weight_version" in out["metadata"], out["metadata"]
+    # Another question after the same chunks: the value SGLang's own return_meta_info shows.
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        json=_chat_body("Which river is it near?", return_meta_info=True),
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    again = r.json()
+    assert again["metadata"][META_KEY] == again["choices"][0]["meta_info"][META_KEY]
+    # A chat request without marks is not served by reuse: SGLang's metadata only.
+    plain = _chat_body()
+    plain["messages"] = [{"role": "user", "content": "Where is the midnight sun seen?"}]
+    r = requests.post(server.url + "/v1/chat/completions", json=plain, timeout=300)
+    assert r.status_code == 200, r.text
+    assert META_KEY not in r.json()["metadata"], r.json()
+    # Streamed chunks have no metadata field: the stream is SGLang's.
+    r = requests.post(
+        server.url + "/v1/chat/completions", json=_chat_body(stream=True), timeout=300
+    )
+    assert r.status_code == 200, r.text
+    events = [line for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events and all(META_KEY not in line for line in events)
 
 
 def test_frontend_chunk_primitive(server: Server) -> None:
