@@ -31,7 +31,8 @@ rank correlation with true KL, within each budget (what a per-request target nee
 over all pairs; each signal's own held-out correlation is reported beside them. The
 entropy, the best of them, then drives ``bench/drift_target.py``'s budget ladder on the
 held-out examples (a request moves up a budget while its estimate misses the target),
-beside the same ladder driven by the true KL.
+and ladders of one budget each (a request that misses goes to exact prefill), beside the
+same ladders driven by the true KL.
 
     python bench/drift_after.py --first 0 --examples 20 --threads 1 --out a.json
     python bench/drift_after.py --first 20 --examples 20 --threads 1 --out b.json
@@ -92,6 +93,9 @@ SIGNALS = (
 EPS = 1e-6
 FIXED = "query_aware 0.15"  # the server's default budget, the fixed-ratio reference
 TARGETS = (0.03, 0.05, 0.075, 0.1, 0.13)  # first-token KL targets of the ladder
+# Targets of the one-rung ladders (a budget, then exact prefill): near the fixed budget's
+# 90th percentile, where only the requests estimated worst would go to exact prefill.
+TARGETS_TO_EXACT = (0.075, 0.1, 0.13, 0.16, 0.2, 0.25, 0.3)
 # Candidate estimators: what a server could return without exact prefill. The last needs
 # a second pass (full reuse); the others only the recompute pass's own tensors.
 ESTIMATORS: dict[str, tuple[str, ...]] = {
@@ -245,14 +249,45 @@ def ladder(
     rows: list[dict[str, Any]],
     estimate: Callable[[dict[str, Any]], float],
     target: float,
+    config: str | None = None,
 ) -> dict[str, Any]:
     """``drift_target.climb`` over this study's rows: each example runs at its lowest
     budget and moves up while ``estimate`` misses ``target``, to exact prefill past the
-    top (KL 0)."""
+    top (KL 0). With ``config``, the ladder has that budget alone: a request it misses
+    goes straight to exact prefill."""
     by_example: dict[int, list[dict[str, Any]]] = {}
     for r in sorted(rows, key=lambda r: r["recompute_fraction"]):
-        by_example.setdefault(r["example"], []).append(r)
+        if config is None or r["config"] == config:
+            by_example.setdefault(r["example"], []).append(r)
     return climb(by_example.values(), estimate, target)
+
+
+def to_exact_within(
+    rows: list[dict[str, Any]],
+    estimate: Callable[[dict[str, Any]], float],
+    config: str,
+    budget: float,
+) -> dict[str, Any]:
+    """One budget (``config``), then exact prefill for the requests ``estimate`` ranks
+    worst, as many as keep the mean recomputed fraction of every rung tried at most
+    ``budget``: the per-request target's best use of the fixed budget's compute, whatever
+    target would pick them. KL mean and p90, the share sent to exact prefill."""
+    base = sorted((r for r in rows if r["config"] == config), key=estimate, reverse=True)
+    n = len(base)
+    spent = sum(r["recompute_fraction"] for r in base)
+    sent = 0
+    while sent < n and (spent + 1.0) / n <= budget:
+        spent += 1.0
+        sent += 1
+    kl = [0.0] * sent + [r["kl"] for r in base[sent:]]
+    return {
+        "config": config,
+        "budget": budget,
+        "to_exact": sent / n,
+        "recompute_tried": spent / n,
+        "kl_mean": statistics.fmean(kl),
+        "kl_p90": percentile(kl, 0.9),
+    }
 
 
 def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict[str, Any]:
@@ -281,6 +316,13 @@ def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict
     if all("recompute_fraction" in r for r in rows):
         intercepts, slope = rung_fit(fitted, "entropy")
         fixed = [r for r in held if r["config"] == FIXED]
+
+        def by_entropy(r: dict[str, Any]) -> float:
+            return math.exp(intercepts[r["config"]] + slope * math.log(r["entropy"] + EPS))
+
+        def by_truth(r: dict[str, Any]) -> float:
+            return float(r["kl"])
+
         out["ladder"] = {
             "fixed": {
                 "config": FIXED,
@@ -289,17 +331,26 @@ def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict
                 "kl_p90": percentile([r["kl"] for r in fixed], 0.9),
             },
             "entropy_fit": {"intercepts": intercepts, "slope": slope},
-            "entropy": [
-                ladder(
-                    held,
-                    lambda r: math.exp(
-                        intercepts[r["config"]] + slope * math.log(r["entropy"] + EPS)
-                    ),
-                    t,
-                )
-                for t in TARGETS
-            ],
-            "true": [ladder(held, lambda r: r["kl"], t) for t in TARGETS],
+            "entropy": [ladder(held, by_entropy, t) for t in TARGETS],
+            "true": [ladder(held, by_truth, t) for t in TARGETS],
+            # One budget, then exact prefill: a rung between gains little (KL falls little
+            # from 15% to 30%, RESULTS.md), exact prefill gains a request's whole KL.
+            "to_exact": {
+                config: {
+                    name: [ladder(held, est, t, config) for t in TARGETS_TO_EXACT]
+                    for name, est in (("entropy", by_entropy), ("true", by_truth))
+                }
+                for config in dict.fromkeys(r["config"] for r in held)
+            },
+        }
+        spend = out["ladder"]["fixed"]["recompute"]
+        out["ladder"]["to_exact_at_fixed_compute"] = {
+            config: {
+                name: to_exact_within(held, est, config, spend)
+                for name, est in (("entropy", by_entropy), ("true", by_truth))
+            }
+            for config in dict.fromkeys(r["config"] for r in held)
+            if config != FIXED and "0.3" not in config
         }
     return out
 
@@ -325,10 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         parts = [json.loads(f.read_text()) for f in args.merge]
         rows = [r for part in parts for r in part["rows"]]
         result = {k: v for k, v in parts[0].items() if k not in ("rows", "analysis")}
+        # A merged file's own parts stay named (a re-analysis of an earlier merge).
         result["parts"] = [
-            {"file": str(f), "commit": part["commit"]}
+            entry
             for f, part in zip(args.merge, parts, strict=True)
+            for entry in part.get("parts") or [{"file": str(f), "commit": part["commit"]}]
         ]
+        result["analysis_commit"] = git_state()._asdict()
         result["examples"] = len({r["example"] for r in rows})
     else:
         state = git_state()
@@ -372,12 +426,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"fixed {f['config']}: recompute {f['recompute']:.3f}, KL mean "
                 f"{f['kl_mean']:.4f}, p90 {f['kl_p90']:.4f}"
             )
-            for name in ("entropy", "true"):
-                for e in lad[name]:
+            shapes = [("", name, lad[name]) for name in ("entropy", "true")] + [
+                (f" {config} then exact,", name, runs[name])
+                for config, runs in lad["to_exact"].items()
+                for name in ("entropy", "true")
+            ]
+            for config, runs in lad["to_exact_at_fixed_compute"].items():
+                for name, e in runs.items():
                     print(
-                        f"  ladder by {name:7s} target {e['target']:.3f}: met {e['met']:.2f}, "
-                        f"recompute {e['recompute_served']:.3f} "
-                        f"(tried {e['recompute_tried']:.3f}), KL p90 {e['kl_p90']:.4f}"
+                        f"  at the fixed budget's compute, {config} then exact by {name:7s}: "
+                        f"{e['to_exact']:.2f} to exact, tried {e['recompute_tried']:.3f}, KL "
+                        f"p90 {e['kl_p90']:.4f} ({e['kl_p90'] / f['kl_p90']:.2f} of fixed)"
+                    )
+            for shape, name, entries in shapes:
+                for e in entries:
+                    print(
+                        f" {shape} ladder by {name:7s} target {e['target']:.3f}: met "
+                        f"{e['met']:.2f}, recompute {e['recompute_served']:.3f} (tried "
+                        f"{e['recompute_tried']:.3f}), KL p90 {e['kl_p90']:.4f}"
                     )
     result["wall_s"] = time.perf_counter() - started
     result["rows"] = rows

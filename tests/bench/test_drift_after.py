@@ -138,3 +138,36 @@ def test_ladder_climbs_until_the_estimate_meets_the_target(study: ModuleType) ->
     low = study.ladder(rows, lambda r: 0.0, 0.1)
     assert low["met"] == pytest.approx(1 / 3)
     assert low["recompute_served"] == pytest.approx(0.1)
+
+
+def test_a_one_budget_ladder_sends_what_it_misses_to_exact_prefill(study: ModuleType) -> None:
+    def row(ex: int, config: str, frac: float, kl: float) -> dict:
+        return {"example": ex, "config": config, "recompute_fraction": frac, "kl": kl}
+
+    rows = [
+        row(0, "low", 0.1, 0.05),  # met at the one rung
+        row(0, "high", 0.3, 0.01),
+        row(1, "low", 0.1, 0.20),  # missed: exact prefill, though "high" would meet it
+        row(1, "high", 0.3, 0.08),
+    ]
+    out = study.ladder(rows, lambda r: r["kl"], 0.1, config="low")
+    assert out["met"] == 1.0
+    assert out["recompute_served"] == pytest.approx((0.1 + 1.0) / 2)
+    assert out["recompute_tried"] == pytest.approx((0.1 + 1.1) / 2)
+    assert out["kl_mean"] == pytest.approx(0.05 / 2)
+
+
+def test_at_the_fixed_compute_the_worst_ranked_go_to_exact_prefill(study: ModuleType) -> None:
+    rows = [
+        {"example": i, "config": "low", "recompute_fraction": 0.1, "kl": kl}
+        for i, kl in enumerate([0.9, 0.1, 0.2, 0.3, 0.05])
+    ]
+    # Five requests at 0.1 each spend 0.5; one exact prefill more is 1.5 / 5 = 0.3.
+    out = study.to_exact_within(rows, lambda r: r["kl"], "low", 0.3)
+    assert out["to_exact"] == pytest.approx(0.2)
+    assert out["recompute_tried"] == pytest.approx(0.3)
+    assert out["kl_mean"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.05) / 5)
+    # Below that budget nothing is sent; a wrong ranking sends the wrong request.
+    assert study.to_exact_within(rows, lambda r: r["kl"], "low", 0.29)["to_exact"] == 0.0
+    wrong = study.to_exact_within(rows, lambda r: -r["kl"], "low", 0.3)
+    assert wrong["kl_mean"] == pytest.approx((0.9 + 0.1 + 0.2 + 0.3) / 5)
