@@ -33,9 +33,11 @@ META_KEY = "pic_first_token_entropy"
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:  # logits: [n, vocab]
-    """# [n] float32 entropy (nats) of each row's softmax."""
+    """# [n] float32 entropy (nats) of each row's softmax. A token a model masks with
+    -inf logits (padded vocabulary) has probability 0 and adds 0, not 0 * -inf = NaN."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    terms = torch.where(torch.isneginf(logp), 0.0, logp.exp() * logp)
+    return -terms.sum(dim=-1)
 
 
 class DriftSignal:

@@ -18,10 +18,13 @@ passed to the builder and changes only the response it returns.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sgl_pic.binding.drift_signal import META_KEY
+
+logger = logging.getLogger(__name__)
 
 CHAT_TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response"
 
@@ -37,16 +40,20 @@ def choice_entropies(ret: Sequence[Mapping[str, Any]]) -> list[float | None] | N
     return values if any(v is not None for v in values) else None
 
 
-def after_build_response(
-    result: Any, serving: Any, request: Any, ret: Sequence[Mapping[str, Any]], *args: Any
-) -> Any:
-    """AFTER ``_build_chat_response`` (``serving``: SGLang's chat serving object,
-    ``request``: the parsed request, ``ret``: one result per choice). Returns the response
-    with the entropies in its ``metadata``; an error response (no ``metadata`` field) or
-    one without entropies comes back unchanged."""
+def after_build_response(result: Any, serving: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER ``_build_chat_response(request, ret, created)`` (``serving``: SGLang's chat
+    serving object; ``ret``: one result per choice, by position or by name). Returns the
+    response with the entropies in its ``metadata``; an error response (no ``metadata``
+    field) or one without entropies comes back unchanged. Whatever goes wrong here is
+    logged and the response returned as SGLang built it: the signal is never worth a
+    failed request."""
     if not hasattr(result, "metadata"):
         return result
-    values = choice_entropies(ret)
-    if values is not None:
-        result.metadata = {**(result.metadata or {}), META_KEY: values}
+    try:
+        ret = kwargs["ret"] if "ret" in kwargs else args[1]
+        values = choice_entropies(ret)
+        if values is not None:
+            result.metadata = {**(result.metadata or {}), META_KEY: values}
+    except Exception:
+        logger.exception("sgl_pic: the drift signal was not added to a chat response")
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -171,3 +172,51 @@ def test_at_the_fixed_compute_the_worst_ranked_go_to_exact_prefill(study: Module
     assert study.to_exact_within(rows, lambda r: r["kl"], "low", 0.29)["to_exact"] == 0.0
     wrong = study.to_exact_within(rows, lambda r: -r["kl"], "low", 0.3)
     assert wrong["kl_mean"] == pytest.approx((0.9 + 0.1 + 0.2 + 0.3) / 5)
+    # Below the base rung's own spend the budget cannot be kept.
+    with pytest.raises(ValueError, match="over"):
+        study.to_exact_within(rows, lambda r: r["kl"], "low", 0.05)
+
+
+def _study_rows(study: ModuleType) -> list[dict]:
+    """Examples 0-29 at the fixed budget and one below it, whose entropy is their KL's."""
+    rng = random.Random(1)
+    rows = []
+    for ex in range(30):
+        for config, frac in (("query_aware 0.05", 0.05), (study.FIXED, 0.15)):
+            kl = rng.uniform(0.01, 1.0) * (2.0 if frac < 0.1 else 1.0)
+            row = {"config": config, "example": ex, "kl": kl, "recompute_fraction": frac}
+            row.update(dict.fromkeys(study.SIGNALS, rng.uniform(0.01, 1.0)))
+            row["entropy"] = kl
+            rows.append(row)
+    return rows
+
+
+def test_analyse_judges_one_budget_ladders_below_the_fixed_compute(study: ModuleType) -> None:
+    lad = study.analyse(_study_rows(study), fit_examples=10, ridge=1e-6)["ladder"]
+    assert lad["fixed"]["recompute"] == pytest.approx(0.15)
+    # Every budget gets its one-rung ladders; at the fixed compute only a budget below it.
+    assert set(lad["to_exact"]) == {"query_aware 0.05", study.FIXED}
+    assert len(lad["to_exact"][study.FIXED]["entropy"]) == len(study.TARGETS_TO_EXACT)
+    (within,) = lad["to_exact_at_fixed_compute"].values()
+    # 20 held out at 0.05: one exact prefill more is (20 * 0.05 + 1) / 20 = 0.1, two 0.15.
+    for name in ("entropy", "true"):
+        assert within[name]["to_exact"] == pytest.approx(0.1)
+        assert within[name]["recompute_tried"] <= 0.15 + 1e-9
+    # The entropy ranks as the truth here, so both send the same requests.
+    assert within["entropy"]["kl_p90"] == pytest.approx(within["true"]["kl_p90"])
+
+
+def test_a_merge_of_a_merged_run_keeps_its_parts(study: ModuleType, tmp_path: Path) -> None:
+    import json
+
+    rows = _study_rows(study)
+    parts = [{"file": "/tmp/a.json", "commit": {"commit": "a" * 40, "dirty": False}}]
+    merged = {"benchmark": "drift_after", "commit": parts[0]["commit"], "parts": parts}
+    src = tmp_path / "merged.json"
+    src.write_text(json.dumps({**merged, "rows": rows}))
+    out = tmp_path / "again.json"
+    assert study.main(["--merge", str(src), "--fit-examples", "10", "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["parts"] == parts and again["commit"] == parts[0]["commit"]
+    assert set(again["analysis_commit"]) == {"commit", "dirty"}
+    assert again["rows"] == rows

@@ -20,6 +20,15 @@ from sgl_pic.binding.runtime import PicRuntime
 pytestmark = pytest.mark.sglang
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_stubs() -> None:
+    """SGLang's logits module imports its config modules, which need the CPU stand-ins
+    (torchvision): active here, not only when an earlier test module activated them."""
+    from sgl_pic.binding.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+
+
 def sglang_output(logits: torch.Tensor) -> Any:  # logits: [n, vocab]
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
@@ -40,6 +49,10 @@ def test_entropy() -> None:
     assert float(peaked[0]) < 1e-9
     p = torch.tensor([0.5, 0.25, 0.25])
     assert float(entropy(p.log()[None])[0]) == pytest.approx(float(-(p * p.log()).sum()))
+    # Masked tokens (-inf logits, e.g. a padded vocabulary) have probability 0: they add
+    # nothing, and the entropy is that of the rest, not NaN.
+    masked = torch.tensor([[0.0, 0.0, -math.inf, -math.inf]])
+    assert entropy(masked).tolist() == pytest.approx([math.log(2)])
 
 
 def test_served_rows_get_their_entropy_and_others_none() -> None:

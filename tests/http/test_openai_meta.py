@@ -88,7 +88,7 @@ def test_an_error_response_comes_back_unchanged(protocol: Any) -> None:
     assert openai_meta.after_build_response(error, None, None, [_result([1.0])], 0) is error
 
 
-def test_plugin_registers_the_hook_on_both_builders(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugin_registers_the_hook_on_the_chat_builder(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache import registry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -105,8 +105,12 @@ def test_plugin_registers_the_hook_on_both_builders(monkeypatch: pytest.MonkeyPa
     assert ours == [(openai_meta.CHAT_TARGET, HookType.AFTER)]
 
 
-def test_sglangs_hook_registry_wraps_the_builder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SGLang's real registry applies the hook to its real serving class."""
+def test_sglangs_hook_registry_wraps_the_builder(
+    monkeypatch: pytest.MonkeyPatch, protocol: Any
+) -> None:
+    """SGLang's real registry applies the hook to its real serving class, and its AFTER
+    wrapper hands the hook the builder's arguments, positional (as SGLang calls it) or
+    named."""
     from collections import defaultdict
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -115,9 +119,28 @@ def test_sglangs_hook_registry_wraps_the_builder(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(HookRegistry, "_patched", set())
     owner, name = openai_meta.CHAT_TARGET.rsplit(".", 1)
     cls = pkgutil.resolve_name(owner)
-    original = getattr(cls, name)
-    monkeypatch.setattr(cls, name, original)  # put back after the test
+    # The builder itself needs a whole serving object: a stand-in with its signature (the
+    # real one's parameters are pinned above); monkeypatch puts the real one back.
+    monkeypatch.setattr(cls, name, lambda self, request, ret, created: _chat(protocol))
+    stand_in = getattr(cls, name)
     HookRegistry.register(openai_meta.CHAT_TARGET, openai_meta.after_build_response, HookType.AFTER)
     HookRegistry.apply_hooks()
     wrapped = getattr(cls, name)
-    assert wrapped is not original and wrapped.__wrapped__ is original
+    assert wrapped is not stand_in and wrapped.__wrapped__ is stand_in
+    serving = object.__new__(cls)
+    ret = [_result([1.5]), _result(None)]
+    by_position = serving._build_chat_response(None, ret, 0)
+    by_name = serving._build_chat_response(request=None, ret=ret, created=0)
+    for out in (by_position, by_name):
+        assert out.metadata == {"weight_version": "default", META_KEY: [1.5, None]}
+
+
+def test_a_failure_in_the_hook_returns_sglangs_response(
+    protocol: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    response = _chat(protocol)
+    before = response.model_dump_json()
+    broken = [{"meta_info": {META_KEY: ["not a number"]}}]
+    assert openai_meta.after_build_response(response, None, None, broken, 0) is response
+    assert response.model_dump_json() == before
+    assert "drift signal was not added" in caplog.text
