@@ -63,6 +63,17 @@ MAX_ADMITTED = 1 << 16
 UNTRUSTED_NAMESPACE = "untrusted-namespace:"
 
 
+class EncodingContext(NamedTuple):
+    """What a prompt's chunks past its first are encoded after (``encoding_context``):
+    the prompt's tokens [0, ``end``), which ``digest`` names with where its first chunk
+    starts, and ``contents``, the content digests of that first chunk's segments, which
+    records encoded after it carry (``ChunkKV.context_contents``)."""
+
+    end: int = 0
+    digest: str = ""
+    contents: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Pending:
     """A chunked request's verified marks and the exact token ids they were verified for;
@@ -71,25 +82,25 @@ class Pending:
     namespace: the isolation namespace its chunks are stored under and found in.
     readable:  the namespaces its lookups may hit, ``namespace`` first (then the public
                ones it asked for).
-    context_end, context: the chunks from ``context_end`` on are encoded after the prompt's
-               tokens [0, context_end), which ``context`` digests with where its first
-               chunk starts (``PicConfig.chunk_context``); "" when every chunk is encoded
-               alone.
-    context_contents: the content digests of that first chunk's segments, which records
-               encoded after it carry (``ChunkKV.context_contents``)."""
+    encoding:  what its chunks from ``encoding.end`` on are encoded after
+               (``encoding_context``); empty when every chunk is encoded alone."""
 
     request: PicRequest
     token_ids: tuple[int, ...]
     namespace: str = DEFAULT_NAMESPACE
     readable: tuple[str, ...] = (DEFAULT_NAMESPACE,)
-    context_end: int = 0
-    context: str = ""
-    context_contents: tuple[str, ...] = ()
+    encoding: EncodingContext = EncodingContext()
+
+    def context_for(self, start: int) -> EncodingContext:
+        """What the chunk starting at ``start`` is encoded after: ``encoding``, or the
+        empty context for a chunk encoded alone (the first, or every chunk without one)."""
+        enc = self.encoding
+        return enc if enc.digest and start >= enc.end else EncodingContext()
 
     def context_of(self, start: int) -> str:
-        """The encoding context of the chunk starting at ``start``: what its keys name
-        (``keys.segment_keys``) and phase 1 encodes it after; "" alone."""
-        return self.context if self.context and start >= self.context_end else ""
+        """The digest of ``context_for(start)``: what the chunk's keys name
+        (``keys.segment_keys``); "" alone."""
+        return self.context_for(start).digest
 
     def context_computed(self, start: int, prefix: int) -> bool:
         """Whether phase 1 computes the context with a miss at ``start`` rather than read
@@ -99,15 +110,7 @@ class Pending:
         if not self.context_of(start):
             return False
         first = self.request.layout.chunks[0]
-        return first.start != 0 or self.context_end > prefix
-
-
-class EncodingContext(NamedTuple):
-    """What a prompt's chunks past its first are encoded after (see ``Pending``)."""
-
-    end: int = 0
-    digest: str = ""
-    contents: tuple[str, ...] = ()
+        return first.start != 0 or self.encoding.end > prefix
 
 
 def encoding_context(config: PicConfig, layout: Any, token_ids: Sequence[int]) -> EncodingContext:
@@ -351,7 +354,7 @@ class AdmissionGate:
         generation = self.deleter.generation if self.deleter is not None else 0
         req.extra_key = namespace(config, extra, calibrated, generation)
         context = encoding_context(self.config, pic.layout, ids)
-        self.marks.put(req.rid, Pending(pic, tuple(ids), own, readable, *context))
+        self.marks.put(req.rid, Pending(pic, tuple(ids), own, readable, context))
         return None
 
     def _command(self, req: Any, custom: Any) -> str:

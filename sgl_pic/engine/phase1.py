@@ -136,7 +136,7 @@ class Phase1:
         try:
             short = takes = False
             for plan, start, end in misses:
-                own, context = end - start, self._context_end(plan, start)
+                own, context = end - start, plan.pending.context_for(start).end
                 computed = plan.pending.context_computed(start, plan.prefix)
                 taken = own * (start < plan.prefix) + context * computed
                 takes |= taken > 0
@@ -178,11 +178,6 @@ class Phase1:
         finally:
             for slots in temp:
                 self.writer.nodes.allocator.free(slots)
-
-    @staticmethod
-    def _context_end(plan: RequestPlan, start: int) -> int:
-        """Tokens of the context the chunk at ``start`` is encoded after (0: alone)."""
-        return plan.pending.context_end if plan.pending.context_of(start) else 0
 
     def _encode(self, misses: list[Miss], where: list[Encoding], ctx: BatchContext) -> None:
         """The phase-1 forwards: every miss on a scratch row of its own over its slots,
@@ -228,8 +223,7 @@ class Phase1:
         kv_access, lower = self.forwards.kv, self.forwards.lower
         chunk_ids = plan.pending.token_ids[start:end]
         slots = enc.slots
-        context = plan.pending.context_of(start)
-        contents = plan.pending.context_contents if context else ()
+        _, context, contents = plan.pending.context_for(start)
         # All of it on one thread, as the copies: small ops, where OpenMP's barriers under
         # a serving load cost more than a second thread gains (``single_thread``).
         with single_thread():

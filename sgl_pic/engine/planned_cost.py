@@ -225,7 +225,7 @@ class PlannedCost:
         # A miss is encoded whole, one the device prefix cuts included, with its context
         # where phase 1 computes that too (``phase1``).
         encoded = sum(
-            c.length + pending.context_end * pending.context_computed(c.start, prefix)
+            c.length + pending.encoding.end * pending.context_computed(c.start, prefix)
             for c, t in zip(spans, tiers, strict=True)
             if t is None
         )

@@ -142,8 +142,8 @@ class Promote:
         for plan in plans.values():
             pending = plan.pending
             for start, end, hit in plan.lower + plan.loaded_whole:
-                # Equal context digests mean an equal first chunk (``gate.encoding_context``).
-                contents = pending.context_contents if hit.context else ()
+                # Found under the context this chunk follows (``Lookup``): its contents.
+                contents = pending.context_for(start).contents
                 self.promoter.submit(
                     hit,
                     pending.token_ids[start:end],

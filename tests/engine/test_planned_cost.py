@@ -294,9 +294,10 @@ def test_a_context_computed_with_each_miss_is_counted_and_its_keys_are_its_own()
     toks = ids()
     config = PicConfig(policy="cachetune", cachetune_r=0.25, chunk_context="first_chunk")
     request = PicRequest(PromptLayout.from_spans(N, SPANS), {})
-    end, context, contents = encoding_context(config, request.layout, toks)
+    encoding = encoding_context(config, request.layout, toks)
+    end, context, contents = encoding
     assert end == SPANS[0][1] and len(context) == 64 and len(contents) == 1  # one segment of 256
-    marks = Pending(request, toks, "", ("",), end, context, contents)
+    marks = Pending(request, toks, "", ("",), encoding)
     assert marks.context_of(SPANS[0][0]) == "" and marks.context_of(SPANS[1][0]) == context
     alone = table([toks[s:e] for s, e in SPANS])
     est = PlannedCost(TierPresence(alone), LAYERS).estimate(marks, config, 0)
