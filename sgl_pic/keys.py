@@ -124,24 +124,21 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 def _root(fingerprint: ModelFingerprint, namespace: str, context: str = "") -> str:
     """Where a namespace's key chains start: the fingerprint's digest for the default
-    namespace, else a digest of it and the namespace (length-prefixed, so no two
-    (fingerprint, namespace) pairs share bytes); a chunk encoded after a context starts
-    from a digest of that root and the context's."""
-    if not namespace:
-        root = fingerprint.digest()
-    else:
-        h = hashlib.sha256()
-        h.update(b"sgl_pic.namespace\0")
-        h.update(fingerprint.digest().encode())
-        encoded = namespace.encode()
-        h.update(len(encoded).to_bytes(8, "little") + encoded)
-        root = h.hexdigest()
-    if not context:
-        return root
+    namespace, else a digest of it and the namespace; a chunk encoded after a context
+    starts from a digest of that root and the context's."""
+    root = fingerprint.digest()
+    if namespace:
+        root = _qualified(b"sgl_pic.namespace\0", root, namespace)
+    return _qualified(b"sgl_pic.context\0", root, context) if context else root
+
+
+def _qualified(tag: bytes, root: str, name: str) -> str:
+    """A digest of ``root`` and ``name`` under ``tag``; the name is length-prefixed, so no
+    two (root, name) pairs share bytes."""
     h = hashlib.sha256()
-    h.update(b"sgl_pic.context\0")
+    h.update(tag)
     h.update(root.encode())
-    encoded = context.encode()
+    encoded = name.encode()
     h.update(len(encoded).to_bytes(8, "little") + encoded)
     return h.hexdigest()
 
