@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,6 +30,16 @@ MAX_PROMOTIONS = 32
 ChunkIds = tuple[int, ...]
 # (isolation namespace, encoding context, chunk token ids): what one promotion fills.
 JobKey = tuple[str, str, ChunkIds]
+
+
+class _Job(NamedTuple):
+    """One promotion under way: its full load, the chunk's ranking, the node table's
+    generation at submit (a flush since drops it) and the context's contents."""
+
+    load: Future[torch.Tensor | None]
+    ranking: Any
+    generation: int
+    contents: tuple[str, ...]
 
 
 class Promoter:
@@ -53,9 +63,7 @@ class Promoter:
         self.store = store
         self.metrics = metrics
         self._pool: ThreadPoolExecutor | None = None
-        # (namespace, context, chunk token ids) -> (full load, its ranking, the table's
-        # generation at submit, the context's contents)
-        self._jobs: dict[JobKey, tuple[Future[torch.Tensor | None], Any, int, tuple[str, ...]]] = {}
+        self._jobs: dict[JobKey, _Job] = {}
 
     def __contains__(self, key: JobKey) -> bool:
         return key in self._jobs
@@ -86,12 +94,12 @@ class Promoter:
         if self._pool is None:
             self._pool = thread_pool(1, "sgl-pic-promote")
         job = self._pool.submit(self.load_full, hit, chunk_ids)
-        self._jobs[key] = (job, ranking, self.nodes.generation, context_contents)
+        self._jobs[key] = _Job(job, ranking, self.nodes.generation, context_contents)
 
     def finish_ready(self) -> None:
         """Fills chunk nodes with every promotion whose load has completed."""
-        for key, (job, *_) in list(self._jobs.items()):
-            if job.done():
+        for key, job in list(self._jobs.items()):
+            if job.load.done():
                 self.finish(key)
 
     def finish(self, key: JobKey, timeout_s: float | None = None) -> bool:
@@ -122,8 +130,8 @@ class Promoter:
     def close(self) -> None:
         """Drops queued promotions and joins the worker (shutdown): at most the one chunk
         read already running is waited for."""
-        for job, *_ in self._jobs.values():
-            job.cancel()
+        for job in self._jobs.values():
+            job.load.cancel()
         self._jobs.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
