@@ -80,10 +80,13 @@ def agreement(ref: list[int], test: list[int]) -> float:
     return greedy_agreement(torch.tensor(ref), torch.tensor(test))
 
 
-def prompts(args: argparse.Namespace) -> list[tuple[list[int], list[list[int]], list[list[int]]]]:
-    """(ids, spans, spans of the warm-up prompt with the passages reversed) per example;
-    the warm-up prompt's ids are the same chunks in the other order, same question."""
-    tok = embedded_tokenizer()
+Case = tuple[list[int], list[list[int]], tuple[list[int], list[list[int]]]]
+
+
+def prompts(args: argparse.Namespace, tok: Any) -> list[Case]:
+    """(ids, spans, (ids, spans) of the warm-up prompt) per example, tokenized by
+    ``tok``; the warm-up prompt is the same chunks with the passages reversed, same
+    question."""
     out = []
     examples = load_rag_examples(args.data)[args.first : args.first + args.examples]
     for ex in examples:
@@ -98,7 +101,7 @@ def prompts(args: argparse.Namespace) -> list[tuple[list[int], list[list[int]], 
     return out
 
 
-def run_setting(setting: str, cases: list, vocab: int) -> list[dict[str, Any]]:
+def run_setting(setting: str, cases: list[Case], vocab: int) -> list[dict[str, Any]]:
     rows = []
     with launch(["--pic-chunk-context", setting]) as client:
         for i, (ids, spans, (warm_ids, warm_spans)) in enumerate(cases):
@@ -169,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--passage-tokens", type=int, default=256)
     args = parser.parse_args(argv)
     state = git_state()
-    cases = prompts(args)
-    vocab = len(embedded_tokenizer())
+    tok = embedded_tokenizer()  # loaded once: the prompts and the vocabulary's size
+    cases = prompts(args, tok)
+    vocab = len(tok)
     rows = [r for s in SETTINGS for r in run_setting(s, cases, vocab)]
     result = {
         "commit": state.commit,
