@@ -329,6 +329,8 @@ def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict
         def by_truth(r: dict[str, Any]) -> float:
             return float(r["kl"])
 
+        estimates = (("entropy", by_entropy), ("true", by_truth))
+        configs = list(dict.fromkeys(r["config"] for r in held))
         out["ladder"] = {
             "fixed": {
                 "config": FIXED,
@@ -344,18 +346,15 @@ def analyse(rows: list[dict[str, Any]], fit_examples: int, ridge: float) -> dict
             "to_exact": {
                 config: {
                     name: [ladder(held, est, t, config) for t in TARGETS_TO_EXACT]
-                    for name, est in (("entropy", by_entropy), ("true", by_truth))
+                    for name, est in estimates
                 }
-                for config in dict.fromkeys(r["config"] for r in held)
+                for config in configs
             },
         }
         spend = out["ladder"]["fixed"]["recompute"]
         out["ladder"]["to_exact_at_fixed_compute"] = {
-            config: {
-                name: to_exact_within(held, est, config, spend)
-                for name, est in (("entropy", by_entropy), ("true", by_truth))
-            }
-            for config in dict.fromkeys(r["config"] for r in held)
+            config: {name: to_exact_within(held, est, config, spend) for name, est in estimates}
+            for config in configs
             if _mean_fraction(held, config) < spend  # a rung that leaves room to send any
         }
     return out
