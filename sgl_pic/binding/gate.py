@@ -98,8 +98,7 @@ class Pending:
         return enc if enc.digest and start >= enc.end else EncodingContext()
 
     def context_of(self, start: int) -> str:
-        """The digest of ``context_for(start)``: what the chunk's keys name
-        (``keys.segment_keys``); "" alone."""
+        """``context_for(start)``'s digest, what the chunk's keys name; "" alone."""
         return self.context_for(start).digest
 
     def context_computed(self, start: int, prefix: int) -> bool:
