@@ -46,8 +46,8 @@ class ModelFingerprint:
     heads or tokens a rank holds). New fields get defaults that mean "the plain
     single-GPU setting", so fingerprints built by older callers keep their meaning.
 
-    model_id:         a digest of the model's config and weights identity (see
-                      ``fingerprint_model_dir``), never just a user-given name.
+    model_id:         a digest of the model's configs and weight contents
+                      (``sgl_pic.model_identity``), never just a user-given name.
     dtype:            the KV dtype: the element type of the KV pool the chunk lives in,
                       e.g. "float32", "bfloat16", "float8_e4m3fn" (the name predates
                       the other dtype fields and is kept so callers need not change).
@@ -183,29 +183,3 @@ def segment_keys(
         parent = h.hexdigest()
         keys.append(SegmentKey(parent, start, start + len(seg)))
     return tuple(keys)
-
-
-def fingerprint_model_dir(path: str) -> str:
-    """SHA-256 over a model directory's config and the full bytes of its weight files.
-
-    Hashing full weights (about 0.5 s for the embedded model) keeps two fine-tunes that
-    share a config from ever exchanging KV."""
-    from pathlib import Path
-
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{root} has no config.json; not a model directory")
-    h = hashlib.sha256()
-    h.update(b"sgl_pic.model\0")
-    h.update((root / "config.json").read_bytes())
-    weights = sorted(
-        p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")
-    )
-    if not weights:
-        raise FileNotFoundError(f"{root} has no weight files")
-    for p in weights:
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-    return h.hexdigest()

@@ -15,7 +15,11 @@ PACKAGE = Path(sgl_pic.__file__).parent
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 250
 # module (relative to sgl_pic/) -> the class allowed over MAX_CLASS_LINES
-ALLOWED_CLASSES = {"store/disk.py": "DiskStore"}
+ALLOWED_CLASSES = {
+    "store/disk.py": "DiskStore",
+    "binding/metric_series.py": "PicSeries",  # the table of series declarations
+    "engine/chunk_nodes.py": "ChunkNodeTable",  # the one owner of the node index
+}
 
 
 def _sizes() -> tuple[list[str], list[str]]:

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from sgl_pic.keys import ModelFingerprint, fingerprint_model_dir
+from sgl_pic.file_digests import FileDigests
+from sgl_pic.keys import ModelFingerprint
+from sgl_pic.model_identity import model_identity
 
 # SGLang's --dtype spellings that name the same dtype as a torch name.
 _DTYPE_ALIASES = MappingProxyType({"half": "float16", "float": "float32", "bf16": "bfloat16"})
@@ -45,20 +47,33 @@ _UNPUBLISHED = (AttributeError, RuntimeError, ValueError)
 
 
 def server_fingerprint(
-    ctx: Any, kv_dtype: torch.dtype, parallel: Any | None = None
+    ctx: Any,
+    kv_dtype: torch.dtype,
+    parallel: Any | None = None,
+    *,
+    digests: FileDigests | None = None,
 ) -> ModelFingerprint:
-    """The fingerprint of the server building its radix cache from ``ctx``.
+    """The fingerprint of the server building its radix cache from ``ctx``. Raises
+    ``model_identity.ModelIdentityError`` when the weights have no identity to key by.
 
     ctx:       SGLang's ``TreeCacheBuildContext`` (or anything with its attributes).
     kv_dtype:  element dtype of the KV pool (``pool.dtype``), the bytes chunk KV holds.
     parallel:  SGLang's ``ParallelContext``; None reads the process's own
                (``sglang.srt.runtime_context.get_parallel()``). Tests pass a stand-in.
+    digests:   where weight-file digests are cached across launches and ranks; None
+               hashes every weight file not named by the HF cache.
     """
     args = ctx.server_args
     model_config = ctx.model_config
     pp_rank, pp_size = _pipeline_shard(ctx)
     return ModelFingerprint(
-        model_id=fingerprint_model_dir(args.model_path),
+        model_id=model_identity(
+            str(args.model_path),
+            digests or FileDigests(None),
+            revision=getattr(args, "revision", None),
+            download_dir=getattr(args, "download_dir", None),
+            load_format=str(getattr(args, "load_format", None) or "auto"),
+        ),
         dtype=dtype_name(kv_dtype),
         page_size=int(getattr(args, "page_size", None) or 1),
         tp_rank=int(ctx.tp_rank),
@@ -77,6 +92,14 @@ def server_fingerprint(
         pp_size=pp_size,
         attn_layout=attention_layout(ctx, parallel),
     )
+
+
+def machine_digests() -> FileDigests:
+    """Weight-file digests shared by every process of this machine (the ranks of a server,
+    later launches): ``~/.cache/sgl_pic/weight_digests``."""
+    from sgl_pic.paths import cache_root
+
+    return FileDigests(cache_root() / "weight_digests")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

@@ -2,6 +2,7 @@
 name, help, labels, buckets per series), and ``PicMetrics`` (``metrics.py``) makes one
 Prometheus object of each and records into them. The README's metrics table is made from
 the same declarations: ``python -m sgl_pic.binding.metric_series`` prints it.
+``PicSeries`` stays over the class-size limit: it is that table, one declaration a series.
 
 A series is a class attribute ``Series(kind, name, help, labels=...)``; on a ``PicMetrics``
 instance the same attribute is the Prometheus object (typed as its kind), so callers write
@@ -305,6 +306,13 @@ class PicSeries:
         "Entropy (nats) of the first-token distribution of requests served by reuse, the "
         "signal that ranks their drift from exact prefill (meta_info pic_first_token_entropy)",
         buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
+    )
+    weight_updates = Series(
+        Counter,
+        "sgl_pic_weight_updates",
+        "Weight updates SGLang applied (by source); each re-keys every chunk tier, so no KV "
+        "of the old weights is served after it",
+        labels=("source",),
     )
 
 

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 from sgl_pic.binding import hooks
+from sgl_pic.binding.fingerprint import machine_digests
 from sgl_pic.binding.forward_timer import FORWARD_TARGET, ForwardTimer
 from sgl_pic.binding.settings import BACKEND_NAME
+from sgl_pic.binding.weight_updates import WeightUpdateHook
 from sgl_pic.http import openai_meta
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ def register() -> None:
         hooks.PREFILL_ADDER_TARGET, hooks.PrefillAdderFactory().hook, HookType.AROUND
     )
     HookRegistry.register(openai_meta.CHAT_TARGET, openai_meta.after_build_response, HookType.AFTER)
+    # The registry holds the hook (and through it the digest cache): no module state.
+    for target, hook in WeightUpdateHook(machine_digests()).targets().items():
+        HookRegistry.register(target, hook, HookType.AFTER)
 
 
 def build_tree_cache(ctx: Any) -> Any:
@@ -81,6 +86,7 @@ def build_tree_cache(ctx: Any) -> Any:
     from sgl_pic.engine.rank_agreement import RankAgreement
     from sgl_pic.engine.tenants import tenant_policy
     from sgl_pic.http.spans import MarkSigner
+    from sgl_pic.model_identity import ModelIdentityError
     from sgl_pic.selection import ranking_recipe
     from sgl_pic.store.admission import StoreAdmission
 
@@ -97,10 +103,24 @@ def build_tree_cache(ctx: Any) -> Any:
         support = check_page_size(settings.config.page_size, ctx)
     if support.ok and settings.refused:
         support = Support("model_check", f"{settings.refused}; lifted by dropping --pic-check")
+    cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    if support.ok:
+        try:
+            # Every chunk is stored with a ranking made at the server's alpha (a setting
+            # no request can override), so the alpha is part of every key.
+            fingerprint = dataclasses.replace(
+                server_fingerprint(ctx, cache_pool.dtype, digests=machine_digests()),
+                ranking=ranking_recipe(settings.config.cachetune_alpha),
+            )
+        except ModelIdentityError as e:
+            support = Support(
+                "model_identity", f"the weights have no identity to key chunks by ({e})"
+            )
     if not support.ok:
         logger.error(
-            "sgl_pic: chunk reuse is off: %s is not covered; every request runs as exact "
-            "prefill (see the README's list of covered models and backends)",
+            "sgl_pic: chunk reuse is off (%s): %s; every request runs as exact prefill "
+            "(see the README's list of covered models and backends)",
+            support.reason,
             support.detail,
         )
         metrics.unsupported.labels(reason=support.reason).set(1)
@@ -112,13 +132,6 @@ def build_tree_cache(ctx: Any) -> Any:
 
         return default_radix_cache_factory(ctx)
     metrics.enable_namespaces(settings.namespace_metrics)
-    cache_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    # Every chunk is stored with a ranking made at the server's alpha (a setting no
-    # request can override), so the alpha is part of every key.
-    fingerprint = dataclasses.replace(
-        server_fingerprint(ctx, cache_pool.dtype),
-        ranking=ranking_recipe(settings.config.cachetune_alpha),
-    )
     prepare_kernels(cache_pool.get_key_buffer(0).device)
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
     capacity = int(settings.device_cache_fraction * pool_tokens)

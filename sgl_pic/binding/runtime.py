@@ -16,6 +16,7 @@ Scheduler side: runs in the scheduler's event loop, between forwards.
     prepare_batch()  - makes an extend batch's hand-off: its requests with marks.
     request_done()   - SGLang finished or aborted a request (``ChunkRadixCache``): its
                        marks and any plan carried for its next prefill pieces go.
+    weights_changed() - SGLang changed the served weights: every tier is re-keyed.
 Worker side: runs in the model runner's forward.
     on_extend()      - takes the hand-off and runs the batch's chunk execution, or None.
     on_bypass()      - drops the hand-off of a batch the executor cannot take (counted).
@@ -108,6 +109,15 @@ class PicRuntime:
         self.marks.drop(rid)
         if self.executor is not None:
             self.executor.request_done(rid)
+
+    def weights_changed(self, source: str, model_id: str) -> None:
+        """Scheduler side, after SGLang applied a weight update from ``source`` (its
+        manager's method returned; ``weight_updates``): every tier is keyed under
+        ``model_id`` from now on, so no request after it finds KV of the old weights."""
+        self.metrics.weight_updates.labels(source=source).inc()
+        if self.executor is not None:
+            self.executor.rekey(model_id)
+            logger.info("sgl_pic: weights updated (%s); chunks keyed by %s", source, model_id[:12])
 
     @property
     def handoff(self) -> dict[str, Pending]:

@@ -18,6 +18,10 @@ Fair share (``namespace_max_tokens``): no namespace holds more slots than its ca
 insert past it evicts only inside that namespace, and an insert short of room evicts the
 inserting namespace's own nodes before any other's, so one tenant's churn never pushes out
 another's nodes while it has nodes of its own to give up.
+
+``ChunkNodeTable`` stays over the class-size limit: it is the one owner of the node index
+and its counts, so every change of them (insert, lock, evict, delete, re-key on new weights,
+clear) is a method of it; split, the counts would have two owners.
 """
 
 from __future__ import annotations
@@ -314,13 +318,21 @@ class ChunkNodeTable:
         doomed = {
             k for k, n in self._nodes.items() if deletion.matches_digest(n.namespace, n.content)
         }
-        if not doomed:
-            return NodeDeleteReport(0, 0, 0)
         # Successors of a deleted segment: a node's parent precedes it in insertion
         # order, so one pass in that order finds whole chains.
         for k, n in self._nodes.items():
             if n.parent is not None and n.parent in doomed:
                 doomed.add(k)
+        return self._drop(doomed)
+
+    def rekey(self, fingerprint: ModelFingerprint) -> NodeDeleteReport:
+        """Keys chunks under ``fingerprint`` from now on (new weights) and drops every node,
+        as ``delete`` does; bumps ``generation``, so no promotion of the old lands."""
+        self.generation += 1
+        self.fingerprint = fingerprint
+        return self._drop(set(self._nodes))
+
+    def _drop(self, doomed: set[str]) -> NodeDeleteReport:
         tokens = pending = 0
         for k in [k for k in self._nodes if k in doomed]:
             node = self._nodes[k]

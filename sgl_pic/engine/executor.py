@@ -27,6 +27,7 @@ every row's hidden state never reach here: the gate runs them exact.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -148,6 +149,14 @@ class ChunkExecutor:
             kv,
         )
         self.split = SplitRequests(plans, self.ranks, metrics)
+
+    def rekey(self, model_id: str) -> None:
+        """Scheduler side, after SGLang changed the served weights: every chunk is keyed
+        under ``model_id`` from now on in every table (``ChunkNodeTable.rekey``,
+        ``LowerTiers.rekey``), so nothing stored under the old weights is found again."""
+        self.nodes.rekey(dataclasses.replace(self.nodes.fingerprint, model_id=model_id))
+        if self.lower is not None:
+            self.lower.rekey(dataclasses.replace(self.lower.fingerprint, model_id=model_id))
 
     # ----------------------------------------------------------------- entry point
     def forward(

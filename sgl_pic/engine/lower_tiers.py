@@ -150,6 +150,17 @@ class LowerTiers:
         afterwards; nothing more reaches the disk. See ``lifecycle`` for when it runs."""
         return self.store.shutdown(timeout_s, stop)
 
+    def rekey(self, fingerprint: ModelFingerprint) -> None:
+        """Keys every chunk from now on under ``fingerprint`` (pre-RoPE; the served
+        weights changed: ``binding.weight_updates``). Records keyed under the old one stay
+        in every tier for servers of those weights and are never found from here. Records
+        written from now on still carry the launch digest (``model_digest``) in their
+        header: a server launched with the new weights finds their keys and refuses them
+        as foreign, a miss, never another model's KV."""
+        if not fingerprint.pre_rope:
+            raise ValueError("lower tiers hold pre-RoPE keys: the fingerprint needs pre_rope=True")
+        self.fingerprint = fingerprint
+
     def keys(
         self, token_ids: Sequence[int], namespace: str = "", context: str = ""
     ) -> tuple[SegmentKey, ...]:

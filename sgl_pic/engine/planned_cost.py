@@ -97,8 +97,11 @@ class TierPresence:
         """The segment key digests of a chunk in ``table`` ("nodes" or "lower": their
         fingerprints differ), encoded after ``context``."""
         keys = self.nodes.keys if table == "nodes" else self.lower.keys  # type: ignore[union-attr]
+        # The weights' identity is part of the memo's key: a weight update re-keys the
+        # tables (``ChunkNodeTable.rekey``), and a digest of the old weights finds nothing.
+        weights = self.nodes.fingerprint.model_id
         return self._digests.get(
-            (table, namespace, context, chunk_ids),
+            (table, weights, namespace, context, chunk_ids),
             lambda: tuple(k.digest for k in keys(chunk_ids, namespace, context)),
         )
 

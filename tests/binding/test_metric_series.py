@@ -50,6 +50,18 @@ def since() -> list[dict[str, Any]]:
             "buckets": [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf],
         }
     )
+    # Issue 56: weight updates re-key the tiers.
+    out.append(
+        {
+            "attr": "weight_updates",
+            "name": "sgl_pic_weight_updates",
+            "kind": "counter",
+            "help": None,
+            "labels": ["source"],
+            "multiprocess_mode": None,
+            "buckets": None,
+        }
+    )
     return out
 
 
@@ -82,7 +94,7 @@ def test_each_declaration_is_registered_once(metrics: Any) -> None:
     exported = {f.name for f in REGISTRY.collect() if f.name.startswith("sgl_pic_")}
     declared = {s.name for _, s in declared_series()}
     assert declared <= exported
-    assert len(declared) == len(declared_series()) == len(BEFORE["series"]) + len(ADDED) + 1
+    assert len(declared) == len(declared_series()) == len(BEFORE["series"]) + len(ADDED) + 2
 
 
 def test_an_attribute_is_its_declaration_on_the_class_and_its_object_on_an_instance(

@@ -758,3 +758,27 @@ def test_a_chunk_encoded_after_a_first_chunk_is_its_own_node_and_goes_with_it() 
     assert rep.records == 3 + 2  # first's three segments, x's two encoded after it
     assert table.match(x, "", context) is None and table.match(x) is not None
     assert_released(table, alloc)
+
+
+# --------------------------------------------------------------------- weight updates
+def test_rekey_drops_every_node_and_keys_new_chunks_by_the_new_weights() -> None:
+    import dataclasses
+
+    table, alloc = make_table()
+    x, y = toks(100, 10), toks(200, 8)
+    assert table.insert(x, None) and table.insert(y, None)
+    hit = table.match(y)
+    assert hit is not None
+    table.lock(hit.nodes)  # a running request copies y out
+    old_keys, generation = table.keys(x), table.generation
+    rep = table.rekey(dataclasses.replace(FP, model_id="updated-weights"))
+    assert (rep.records, rep.tokens, rep.pending_tokens) == (5, 18, 8)
+    assert table.generation == generation + 1  # promotions begun before it are dropped
+    assert table.match(x) is None and table.match(y) is None and len(table) == 0
+    assert all(a.digest != b.digest for a, b in zip(old_keys, table.keys(x), strict=True))
+    table.unlock(hit.nodes)  # the locked node's slots return now
+    assert alloc.free_slots() == alloc.initial_free
+    assert table.insert(x, None)
+    again = table.match(x)
+    assert again is not None and again.nodes[0].key != old_keys[0].digest
+    assert_released(table, alloc)

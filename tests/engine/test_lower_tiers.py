@@ -264,3 +264,24 @@ def test_a_chunk_encoded_after_a_context_is_found_with_that_context_only(stores,
     close(kv, c.kv)
     # Encoded alone, the same tokens are another record.
     assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 3
+
+
+def test_rekey_hides_records_of_the_old_weights(stores, tmp_path) -> None:
+    """After a weight update, no record stored under the old weights is found, in host
+    memory or on disk; records put afterwards are found under the new key only."""
+    import dataclasses
+
+    lt = tiers(stores, tmp_path)
+    c = chunk()
+    lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking)
+    lt.store.flush()
+    assert lt.match(c.tokens) is not None
+    with pytest.raises(ValueError, match="pre-RoPE"):
+        lt.rekey(dataclasses.replace(FP, model_id="updated", pre_rope=False))
+    lt.rekey(dataclasses.replace(FP, model_id="updated"))
+    assert lt.match(c.tokens) is None
+    assert lt.put_chunk(c.tokens, c.pre_k, c.v, c.ranking) == 3
+    assert lt.match(c.tokens) is not None
+    lt.rekey(FP)  # back to the launch weights: their records are still there
+    hit = lt.match(c.tokens)
+    assert hit is not None and hit.keys == lt.keys(c.tokens)
