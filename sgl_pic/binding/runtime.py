@@ -39,6 +39,7 @@ import torch
 from sgl_pic.binding.drift_signal import DriftSignal
 from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks, Pending
 from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.engine.rank_agreement import PeerFailed, RankAgreement
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +151,18 @@ class PicRuntime:
             if hidden is not None and self.drift is not None:
                 self.drift.mark(executor.served_rows)
             return hidden
-        except Exception:
+        except Exception as e:
             # SGLang kills the whole server when a scheduler raises. Running the batch as
             # SGLang would rewrites every new token's KV from scratch, so whatever the failed
             # attempt wrote is overwritten; the request is served without reuse and the
             # failure counted. The phase context was taken down by ``PhaseRunner.running``.
-            logger.exception("sgl_pic: chunk execution failed; running the batch without reuse")
+            # With tensor parallelism every rank must take that path: a rank's own failure
+            # is put to the others first (``RankAgreement.fail``); ``PeerFailed`` is theirs.
+            if isinstance(e, PeerFailed):
+                logger.warning("sgl_pic: another rank's chunk execution failed; %s", _PLAIN)
+            else:
+                logger.exception("sgl_pic: chunk execution failed; %s", _PLAIN)
+                _tell_peers(executor.ranks)
             self.metrics.failures.inc()
             try:
                 # The backend was planned for a phase batch: plan it for the live one again.
@@ -227,6 +234,16 @@ class PicRuntime:
 # The one process-level reference (see the module docstring for why it must exist): set
 # once by ``plugin.build_tree_cache`` in the scheduler process, read by ``binding.hooks``.
 _current: PicRuntime | None = None
+
+
+_PLAIN = "running the batch without reuse"
+
+
+def _tell_peers(ranks: RankAgreement) -> None:
+    try:
+        ranks.fail()
+    except Exception:  # the collective itself broke: nothing more to agree on
+        logger.exception("sgl_pic: telling the other ranks of a failure failed")
 
 
 def current() -> PicRuntime | None:

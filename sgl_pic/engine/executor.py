@@ -121,7 +121,7 @@ class ChunkExecutor:
         self.ranks = ranks if ranks is not None else RankAgreement()
         room = make_room if make_room is not None else nodes.evict
         forwards = PhaseForwards(
-            kv, phases, metrics, lower, feed_mode, feed_timeout_s, reduce, hidden
+            kv, phases, metrics, lower, feed_mode, feed_timeout_s, reduce, hidden, self.ranks
         )
         self.writer = NodeWriter(nodes, kv, metrics.node_insert_failures.inc)
         self.promoter = Promoter(
@@ -187,6 +187,9 @@ class ChunkExecutor:
             split.later_pieces(pieces, ctx)
             hidden = self._attempts(specs, ctx)
             self.export_sizes()
+            # The batch's last collective: a rank that failed after the others' last one
+            # meets them here, and all fall back together.
+            self.ranks.proceed()
         except BaseException:
             admission.abandon()  # the runtime reruns it as plain prefill
             split.abandon(specs, pieces)

@@ -17,6 +17,7 @@ from sgl_pic.engine.kv_access import KVAccess
 from sgl_pic.engine.layer_feed import LayerFeed
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.planner import RequestPlan
+from sgl_pic.engine.rank_agreement import RankAgreement
 
 
 class HiddenSpec(NamedTuple):
@@ -35,6 +36,8 @@ class PhaseForwards:
     feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder").
     feed_timeout_s: longest wait for one layer of lower-tier KV (``FeedTimeout`` past it).
     reduce:    sums a device tensor over the tensor-parallel ranks (None on one rank).
+    ranks:     the ranks' agreement; each phase forward starts with its ``proceed``, so a
+               rank that failed this batch meets the others before their forward.
     hidden:    the decoder stack's output rows, for a batch that needs no forward at all
                (``empty_hidden``); None where the caller never has one."""
 
@@ -48,8 +51,10 @@ class PhaseForwards:
         feed_timeout_s: float = 30.0,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         hidden: HiddenSpec | None = None,
+        ranks: RankAgreement | None = None,
     ) -> None:
         self.kv = kv
+        self.ranks = ranks if ranks is not None else RankAgreement()
         self.hidden = hidden
         self.phases = phases
         self.metrics = metrics
@@ -66,7 +71,9 @@ class PhaseForwards:
     def run(self, kind: str, stack: Stack, phase: PhaseBatch, **callbacks: Any) -> torch.Tensor:
         """``PhaseRunner.run`` (with the layer and attention ``callbacks`` it takes),
         counted by kind (``PicMetrics.phase_forwards``) before it runs, so that a pass its
-        probe cuts short counts too; # [sum extend, hidden]."""
+        probe cuts short counts too; # [sum extend, hidden]. Raises ``PeerFailed`` first
+        when another tensor-parallel rank failed this batch."""
+        self.ranks.proceed()
         self.metrics.phase_forwards.labels(phase=kind).inc()
         tokens = sum(sub.extend for sub in phase.subrequests)
         self.metrics.phase_forward_tokens.labels(phase=kind).inc(tokens)

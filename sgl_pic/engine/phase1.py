@@ -231,7 +231,9 @@ class Phase1:
             kv = kv_access.read(slots, enc.context.numel())
             # Pre-RoPE keys, once: CacheTune ranks them and the lower tiers store them.
             k_pre = kv_access.pre_rope_keys(kv)
-            # The server's alpha: the chunk's keys name it (``ranking_recipe``).
+            # The server's alpha: the chunk's keys name it (``ranking_recipe``). Its
+            # scores are summed over the ranks: a rank that failed meets them first.
+            self.ranks.proceed()
             ranking = cachetune_ranking(
                 k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.forwards.reduce
             ).cpu()  # read on the host once: the plan, the chunk node and the tiers use it

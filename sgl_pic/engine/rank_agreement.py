@@ -14,7 +14,11 @@ shape a batch's forwards are put to every rank before they are acted on:
   and planned (CacheTune's r per tier) as the agreed tier;
 - per miss, whether store admission stores it: only where every rank would (``all_of``);
 - after phase 2, whether a stored chunk failed its checks while loading on any rank
-  (``any_of``): all ranks then retry the batch, or all fall back, together.
+  (``any_of``): all ranks then retry the batch, or all fall back, together;
+- whether any rank failed: a rank whose batch raised outside a forward calls ``fail``,
+  which meets the others at their next collective of the batch (every agreement here, every
+  phase forward and every TP reduce starts with ``proceed``, and the batch ends with one):
+  they raise ``PeerFailed``, and every rank runs the batch as plain prefill, together.
 
 The stored rankings themselves are not put to the ranks: phase 1 computes each from every
 rank's heads (its all-reduced scores), so every rank stores the same one.
@@ -56,6 +60,10 @@ class ChunkVote(NamedTuple):
     ranked: bool
 
 
+class PeerFailed(RuntimeError):
+    """Another tensor-parallel rank's batch failed; this rank falls back with it."""
+
+
 class RankAgreement:
     """The one owner of the collective decisions of a scheduler's chunked batches (see the
     module docstring). ``reduce_max``: see there; None on one rank."""
@@ -88,10 +96,31 @@ class RankAgreement:
         """Whether any rank's ``flag`` is True. One collective."""
         return bool(self._max([int(flag)])[0])
 
+    def proceed(self) -> None:
+        """Before each collective of a chunked batch (and at its end): raises
+        ``PeerFailed`` when another rank failed this batch (its ``fail``). One collective;
+        nothing on one rank."""
+        if self.reduce_max is not None and self._reduce([0])[0]:
+            raise PeerFailed("another tensor-parallel rank failed this batch")
+
+    def fail(self) -> None:
+        """Called once by a rank whose batch raised anything but ``PeerFailed``, before it
+        falls back: meets the other ranks' next ``proceed`` (or their own ``fail``, where
+        the failure was agreed and all raised it), so no rank is left in a collective the
+        others never join. Nothing on one rank."""
+        if self.reduce_max is not None:
+            self._reduce([1])
+
     def _max(self, values: list[int]) -> list[int]:
-        """Elementwise maximum of ``values`` over the ranks. An empty list is agreed
-        without a collective: every rank has an empty one (see the module docstring)."""
+        """Elementwise maximum of ``values`` over the ranks, after ``proceed``. An empty
+        list is agreed without a collective: every rank has an empty one (see the module
+        docstring)."""
         if self.reduce_max is None or not values:
             return values
+        self.proceed()
+        return self._reduce(values)
+
+    def _reduce(self, values: list[int]) -> list[int]:
+        assert self.reduce_max is not None
         t = torch.tensor(values, dtype=torch.int64)  # host: a handful of decisions
         return [int(x) for x in self.reduce_max(t).tolist()]

@@ -16,6 +16,7 @@ from sgl_pic.binding import hooks, plugin
 from sgl_pic.binding.gate import AdmittedMarks, Pending
 from sgl_pic.binding.runtime import PicRuntime, current, set_current
 from sgl_pic.engine.layer_feed import FeedTimeout
+from sgl_pic.engine.rank_agreement import RankAgreement
 from sgl_pic.http.spans import PicRequest
 from sgl_pic.layout import PromptLayout
 
@@ -37,6 +38,7 @@ class FakeExecutor:
     def __init__(self, error: Exception | None = None) -> None:
         self.error = error
         self.handoffs: list[dict[str, Pending]] = []  # what each forward was handed
+        self.ranks = RankAgreement()  # one rank, as ``ChunkExecutor``'s default
 
     def forward(self, _stack: Any, _ids: Any, _fb: Any, handoff: dict[str, Pending]) -> Any:
         self.handoffs.append(dict(handoff))

@@ -25,6 +25,7 @@ SERVING = [
             "lifecycle",
             "runtime",
             "hooks",
+            "weight_updates",
         )
     ),
 ]
@@ -72,7 +73,26 @@ def test_every_hook_and_runtime_method_names_its_side() -> None:
         "request_done",
         "runs_phase",
         "torch_native_extend",
+        "weights_changed",
     ]
     for name in public:
         doc = getattr(runtime.PicRuntime, name).__doc__ or ""
         assert doc.startswith(("Scheduler side", "Worker side")), name
+
+
+def test_a_weight_update_rekeys_the_executor_and_is_counted() -> None:
+    from types import SimpleNamespace
+
+    rekeyed: list[str] = []
+    counted: list[str] = []
+    counter = SimpleNamespace(inc=lambda: None)
+    metrics = SimpleNamespace(
+        weight_updates=SimpleNamespace(labels=lambda source: counted.append(source) or counter)
+    )
+    executor = SimpleNamespace(rekey=rekeyed.append)
+    gate = SimpleNamespace(marks=None)
+    runtime.PicRuntime(gate, metrics, executor, None).weights_changed("disk", "abc")  # type: ignore[arg-type]
+    assert rekeyed == ["abc"] and counted == ["disk"]
+    # Reuse off in this process: counted, nothing to re-key.
+    runtime.PicRuntime(gate, metrics).weights_changed("tensor", "def")  # type: ignore[arg-type]
+    assert rekeyed == ["abc"] and counted == ["disk", "tensor"]

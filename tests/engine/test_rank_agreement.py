@@ -47,7 +47,7 @@ from sgl_pic.engine.deleter import Deleter
 from sgl_pic.engine.executor import ChunkExecutor
 from sgl_pic.engine.layer_feed import FeedTimeout
 from sgl_pic.engine.lower_tiers import LowerTiers
-from sgl_pic.engine.rank_agreement import ChunkVote, RankAgreement
+from sgl_pic.engine.rank_agreement import ChunkVote, PeerFailed, RankAgreement
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.store.admission import StoreAdmission
 from sgl_pic.store.deletion import Deletion, segment_contents
@@ -238,12 +238,62 @@ def admission_apart(r: Rank, rank: int) -> dict[str, Any]:
     return r.batch([1, 2, 3])
 
 
+def one_rank_raises(r: Rank, rank: int) -> dict[str, Any]:
+    """Rank 1's selection raises an error of its own (between forwards), through the
+    runtime as a server runs it: rank 1 tells rank 0 (``RankAgreement.fail``), which learns
+    of it at its next collective (phase 2's forward: ``PeerFailed``). Both run the batch as
+    plain prefill; the next batch is served with reuse on both."""
+    from types import SimpleNamespace
+
+    from sgl_pic.binding.gate import AdmittedMarks
+    from sgl_pic.binding.runtime import PicRuntime
+
+    r.stored([1, 2, 3])
+    marks = AdmittedMarks()
+    runtime = PicRuntime(SimpleNamespace(marks=marks), r.metrics, r.executor, r.phases)  # type: ignore[arg-type]
+    fell_back: list[bool] = []
+    select = r.executor.select.run
+
+    def failing_select(*args: Any) -> Any:
+        if rank == 1 and not fell_back:
+            raise RuntimeError("injected: rank 1's selection failed")
+        return select(*args)
+
+    def through_runtime(stack: Any, ids: torch.Tensor, live: Any, handoff: Any) -> Any:
+        r.executor.forward = forward  # type: ignore[method-assign]  # what the runtime calls
+        for rid, pending in handoff.items():
+            marks.put(rid, pending)
+        reqs = [
+            SimpleNamespace(rid=k, origin_input_ids=list(p.token_ids)) for k, p in handoff.items()
+        ]
+        runtime.prepare_batch(SimpleNamespace(reqs=reqs))
+        pos = torch.cat([torch.arange(n) for n in live.extend_seq_lens_cpu]).to(ids.device)
+        out = runtime.on_extend(stack, ids, pos, live)
+        fell_back.append(out is None)
+        return stack(ids, pos, live) if out is None else out  # as the decoder stack does
+
+    r.executor.select.run = failing_select  # type: ignore[method-assign]
+    forward, r.executor.forward = r.executor.forward, through_runtime  # type: ignore[method-assign]
+    try:
+        r.run(prompts([[3, 1, 2]]))
+        r.executor.forward = forward  # type: ignore[method-assign]
+        after = r.batch([2, 1, 3])
+    finally:
+        r.executor.forward = forward  # type: ignore[method-assign]
+    return {
+        "fell_back": fell_back,
+        "after_hits": after["stats"]["device_hits"],
+        "forwards": r.forwards,
+    }
+
+
 SCENARIOS = {
     "admission_apart": (admission_apart, True),
     "one_rank_deleted": (one_rank_deleted, True),
     "one_rank_record_fails": (one_rank_record_fails, True),
     "one_rank_feed_times_out": (one_rank_feed_times_out, True),
     "tiers_differ": (tiers_differ, True),
+    "one_rank_raises": (one_rank_raises, True),
     # Last: ranks that diverge leave the group out of step.
     "tiers_differ_unagreed": (tiers_differ, False),
 }
@@ -371,6 +421,13 @@ def test_a_feed_timing_out_on_one_rank_makes_both_give_the_batch_up(ranks: dict)
     assert agreed(ranks, "one_rank_feed_times_out")["given_up"] is True
 
 
+def test_an_error_on_one_rank_sends_both_to_plain_prefill_together(ranks: dict) -> None:
+    """The same forwards on both ranks (each checked against the other's), both fall back,
+    and the group stays in step: the next batch reuses every chunk on both."""
+    got = agreed(ranks, "one_rank_raises")
+    assert got["fell_back"] == [True] and got["after_hits"] == 3
+
+
 def test_a_miss_is_stored_only_where_every_rank_would(ranks: dict) -> None:
     got = agreed(ranks, "admission_apart")
     assert got["stats"]["deferred"] == 3 and got["stats"]["misses"] == 0
@@ -398,15 +455,25 @@ def test_one_rank_agrees_with_itself() -> None:
     assert alone.any_of(True) and not alone.any_of(False)
 
 
+class OtherRank:
+    """Stands in for the collective: the other rank's vector for each call in turn, as
+    ``torch.maximum`` with this rank's. Every agreement starts with ``proceed``, where a
+    rank that has not failed sends 0."""
+
+    def __init__(self, *answers: list[int]) -> None:
+        self.answers = list(answers)
+        self.sent: list[list[int]] = []
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.sent.append(t.tolist())
+        return torch.maximum(t, torch.tensor(self.answers.pop(0)))
+
+
 def test_the_slowest_tier_and_any_miss_win() -> None:
     """``agree_chunks`` over a stand-in for the collective: the other rank holds the three
     chunks on disk, on the device and (unranked) in host memory."""
     # Tier codes (device 0, host 1, disk 2), then 1 where that rank has no ranking.
-    theirs = torch.tensor([2, 0, 1, 0, 0, 1])
-
-    def with_them(t: torch.Tensor) -> torch.Tensor:
-        return torch.maximum(t, theirs)
-
+    with_them = OtherRank([0], [2, 0, 1, 0, 0, 1])
     mine = [ChunkVote("device", True), ChunkVote(None, True), ChunkVote("host", True)]
     assert RankAgreement(with_them).agree_chunks(mine) == [
         ChunkVote("disk", True),
@@ -414,7 +481,21 @@ def test_the_slowest_tier_and_any_miss_win() -> None:
         ChunkVote("host", False),
     ]
     # Store admission: the other rank would store the first miss, defer the second.
-    will_defer = torch.tensor([0, 1])
-    both = RankAgreement(lambda t: torch.maximum(t, will_defer))
+    both = RankAgreement(OtherRank([0], [0, 1], [0], [0, 1]))
     assert both.all_of([True, True]) == [True, False]
     assert both.all_of([False, True]) == [False, False]
+
+
+def test_a_rank_that_failed_meets_the_others_next_collective() -> None:
+    """A failed rank's ``fail`` is the other ranks' next ``proceed``: there they raise
+    ``PeerFailed`` instead of running the collective it will never join."""
+    failed = OtherRank([1])
+    with pytest.raises(PeerFailed):
+        RankAgreement(failed).all_of([True])
+    assert failed.sent == [[0]]  # the agreement's own vector was never sent
+    mine = OtherRank([0])
+    RankAgreement(mine).fail()
+    assert mine.sent == [[1]]
+    alone = RankAgreement()
+    alone.proceed()
+    alone.fail()  # one rank: nothing to tell
