@@ -59,8 +59,25 @@ def attention_backends(view: Any) -> tuple[str | None, str | None]:
 
 
 def check_args(args: Any) -> Support:
-    """The server-argument part of the support check, on the resolved values."""
+    """The server-argument part of the support check, on the resolved values: the first
+    refusal of ``check_backends``, ``check_parallelism``, ``check_expert_parallel``,
+    ``check_features`` and ``check_kv``, or ``OK``."""
     v = resolved(args)
+    for check in (
+        check_backends,
+        check_parallelism,
+        check_expert_parallel,
+        check_features,
+        check_kv,
+    ):
+        support = check(v)
+        if not support.ok:
+            return support
+    return OK
+
+
+def check_backends(v: Any) -> Support:
+    """The prefill and decode attention backends of the resolved view ``v``."""
     prefill, decode = attention_backends(v)
     for flag, backend in (
         ("--prefill-attention-backend", prefill),
@@ -73,17 +90,24 @@ def check_args(args: Any) -> Support:
                 f"lifted by --attention-backend (or {flag}) "
                 f"{'|'.join(sorted(SUPPORTED_BACKENDS))}",
             )
+    return OK
+
+
+def check_parallelism(v: Any) -> Support:
+    """Pipeline, attention-DP, two-batch-overlap, context and PD-multiplexed parallelism
+    of the resolved view ``v``. SGLang 0.5.23 resolves the deprecated
+    ``--dp-size N --enable-dp-attention`` (and ``--dwdp-size N``) into ``attn_dp_size``
+    and leaves ``enable_dp_attention`` false, so DP attention is read from the widths
+    (DWDP's too, for a record not yet resolved)."""
     if int(getattr(v, "pp_size", 1) or 1) > 1:
         return Support("parallelism", "pipeline parallelism; lifted by --pp-size 1")
-    if getattr(v, "enable_dp_attention", False):
-        return Support("parallelism", "DP attention; lifted by dropping --enable-dp-attention")
-    if getattr(v, "speculative_algorithm", None):
+    widths = (int(getattr(v, f, 1) or 1) for f in ("attn_dp_size", "dwdp_size"))
+    if max(widths) > 1 or getattr(v, "enable_dp_attention", False):
         return Support(
-            "speculative", "speculative decoding; lifted by dropping --speculative-algorithm"
+            "parallelism",
+            "DP attention; lifted by --attn-dp-size 1, dropping --enable-dp-attention and "
+            "--dwdp-size (which resolve into it)",
         )
-    if getattr(v, "enable_lora", False) or getattr(v, "lora_paths", None):
-        # LoRA layers read batch info prepared for the live batch's segments.
-        return Support("lora", "LoRA adapters; lifted by dropping --enable-lora / --lora-paths")
     if getattr(v, "enable_two_batch_overlap", False):
         return Support(
             "parallelism", "two-batch overlap; lifted by dropping --enable-two-batch-overlap"
@@ -94,6 +118,68 @@ def check_args(args: Any) -> Support:
         # PD-multiplexing prefills layer by layer (``forward_split_prefill``) and never
         # calls the decoder stack the chunk path wraps.
         return Support("parallelism", "PD-multiplexing; lifted by dropping --enable-pdmux")
+    return OK
+
+
+def expert_parallel_lifts(v: Any) -> list[str]:
+    """What lifts each SGLang setting of the resolved view ``v`` under which its MoE
+    top-k masks routed rows by the live batch's token count (SGLang's
+    ``enable_num_token_non_padded``: EP width above one, a non-``none`` all-to-all
+    backend, which resolution widens EP to the TP size for, Waterfill, which resolution
+    turns into the DeepEP backend, and elastic EP); empty for SGLang's TP-only MoE."""
+    lifts = []
+    a2a = str(getattr(v, "moe_a2a_backend", "none") or "none")
+    if a2a != "none":
+        lifts.append(f"--moe-a2a-backend none (not {a2a})")
+    if int(getattr(v, "ep_size", 1) or 1) > 1:
+        lifts.append("--ep-size 1")
+    if getattr(v, "enable_waterfill", False):
+        lifts.append("dropping --enable-waterfill")
+    for field, flag in (
+        ("elastic_ep_backend", "--elastic-ep-backend"),
+        ("ep_join_mode", "--elastic-ep-join-mode"),
+    ):
+        if str(getattr(v, field, None) or "none") != "none":
+            lifts.append(f"dropping {flag}")
+    return lifts
+
+
+def check_expert_parallel(v: Any) -> Support:
+    """MoE expert parallelism and all-to-all of the resolved view ``v``. A phase batch
+    runs inside the live batch's forward context, whose MoE top-k (SGLang's
+    ``resolve_routing_inputs``) masks every row past the live batch's token count: a
+    phase batch larger than the live one would lose its experts there."""
+    lifts = expert_parallel_lifts(v)
+    if not lifts:
+        return OK
+    return Support(
+        "expert_parallel",
+        "MoE expert parallelism or all-to-all (its top-k masks rows past the live "
+        f"batch's token count); lifted by {', '.join(lifts)}",
+    )
+
+
+def check_features(v: Any) -> Support:
+    """Speculative decoding, LoRA and diffusion LMs of the resolved view ``v``."""
+    if getattr(v, "speculative_algorithm", None):
+        return Support(
+            "speculative", "speculative decoding; lifted by dropping --speculative-algorithm"
+        )
+    if getattr(v, "enable_lora", False) or getattr(v, "lora_paths", None):
+        # LoRA layers read batch info prepared for the live batch's segments.
+        return Support("lora", "LoRA adapters; lifted by dropping --enable-lora / --lora-paths")
+    if getattr(v, "dllm_algorithm", None):
+        # A diffusion LM's prefills and denoising steps are DLLM_EXTEND batches, which
+        # the chunk path (a causal extend) does not model.
+        return Support(
+            "dllm", "diffusion LM (DLLM_EXTEND batches); lifted by dropping --dllm-algorithm"
+        )
+    return OK
+
+
+def check_kv(v: Any) -> Support:
+    """SGLang's own KV tiers, PD disaggregation, the KV cache dtype and the prefill CUDA
+    graph backend of the resolved view ``v``."""
     tiers = sglang_kv_tiers(v)
     if tiers:
         return Support(

@@ -175,8 +175,10 @@ def launch_check(server_args: Any, config: PicConfig) -> PicConfig:
     prefill_graph = getattr(getattr(graphs, "prefill", None), "backend", None)
     if support.ok:
         logger.info(
-            "sgl_pic self-check: chunk reuse on (attention %s/%s, page size %d, prefill CUDA "
-            "graphs %s: batches with chunked requests run eagerly)",
+            "sgl_pic self-check: the server arguments leave chunk reuse on (attention %s/%s, "
+            "page size %d, prefill CUDA graphs %s: batches with chunked requests run "
+            "eagerly); the model is checked as it loads ('sgl_pic chunk cache ready' or "
+            "'chunk reuse is off' follows)",
             *attention_backends(view),
             config.page_size,
             prefill_graph,

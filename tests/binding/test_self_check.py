@@ -83,3 +83,167 @@ def test_the_pool_page_size_must_be_the_padded_one() -> None:
     support = check_page_size(1, ctx)
     assert support.reason == "page_size" and "--page-size 16" in support.detail
     assert check_page_size(16, ctx).ok
+
+
+# --- MoE expert parallelism, diffusion LMs and DP attention, on SGLang's own ServerArgs ---
+
+
+def cli_args(*argv: str) -> Any:
+    """SGLang's ServerArgs as its own command-line parser and ``from_cli_args`` make them
+    from ``argv`` (not resolved)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(
+        parser.parse_args(["--model-path", "unused", "--device", "cpu", *argv])
+    )
+
+
+def test_sglang_defaults_and_tp_only_moe_are_served() -> None:
+    # TP-only MoE: SGLang sets no non-padded token count, so its top-k masks nothing.
+    assert check_args(cli_args()).ok
+    assert check_args(cli_args("--tp-size", "4", "--moe-runner-backend", "triton")).ok
+
+
+@pytest.mark.parametrize(
+    ("argv", "lift", "lift_argv"),
+    [
+        (["--ep-size", "2"], "--ep-size 1", ["--ep-size", "1"]),
+        (["--ep", "2"], "--ep-size 1", ["--ep-size", "1"]),
+        (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend none", ["--moe-a2a-backend", "none"]),
+        (["--moe-a2a-backend", "mori"], "--moe-a2a-backend none", ["--moe-a2a-backend", "none"]),
+        (["--enable-waterfill"], "dropping --enable-waterfill", None),
+        (["--elastic-ep-backend", "mooncake"], "dropping --elastic-ep-backend", None),
+        (["--elastic-ep-join-mode", "scale"], "dropping --elastic-ep-join-mode", None),
+    ],
+)
+def test_expert_parallelism_is_refused_naming_the_flag_that_lifts_it(
+    argv: list[str], lift: str, lift_argv: list[str] | None
+) -> None:
+    support = check_args(cli_args(*argv))
+    assert support.reason == "expert_parallel" and f"lifted by {lift}" in support.detail
+    # The flag named lifts it: set as named (argparse keeps the last), or dropped.
+    lifted = cli_args(*argv, *lift_argv) if lift_argv is not None else cli_args()
+    assert check_args(lifted).ok
+
+
+def test_expert_parallelism_is_read_as_sglang_resolves_it() -> None:
+    # SGLang's own passes: an all-to-all backend widens EP to the TP size on the
+    # resolved view, and Waterfill turns into the DeepEP backend; the raw record keeps
+    # ep_size 1 and moe_a2a_backend "none".
+    from sglang.srt.arg_groups.overrides import (
+        _a2a_backend_overrides,
+        _a2a_ep_size,
+        run_post_process_pass,
+    )
+
+    for argv in (["--moe-a2a-backend", "deepep"], ["--enable-waterfill"]):
+        args = cli_args("--tp-size", "4", *argv)
+        for sglang_pass in (_a2a_backend_overrides, _a2a_ep_size):
+            run_post_process_pass(args, sglang_pass)
+        assert args.ep_size == 1
+        support = check_args(args)
+        assert support.reason == "expert_parallel"
+        assert "--moe-a2a-backend none (not deepep)" in support.detail
+        assert "--ep-size 1" in support.detail
+    plain = cli_args("--tp-size", "4")
+    for sglang_pass in (_a2a_backend_overrides, _a2a_ep_size):
+        run_post_process_pass(plain, sglang_pass)
+    assert check_args(plain).ok
+
+
+def test_diffusion_lms_are_refused_naming_their_flag() -> None:
+    support = check_args(cli_args("--dllm-algorithm", "LowConfidence"))
+    assert support.reason == "dllm" and "lifted by dropping --dllm-algorithm" in support.detail
+    assert (
+        check_args(resolved_args(attention_backend="fa3", dllm_algorithm="LowConfidence")).reason
+        == "dllm"
+    )
+
+
+def test_dp_attention_is_refused_as_sglang_resolves_it() -> None:
+    # SGLang 0.5.23 resolves --dp-size N --enable-dp-attention into attn_dp_size N and
+    # leaves enable_dp_attention false on the resolved view.
+    from sgl_pic.binding.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.arg_groups.parallel_hook import handle_deprecated_dp_attention
+
+    args = cli_args("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
+    handle_deprecated_dp_attention(args)
+    assert not resolved_view(args).enable_dp_attention
+    for refused in (args, cli_args("--attn-dp-size", "2"), cli_args("--dwdp-size", "2")):
+        support = check_args(refused)
+        assert support.reason == "parallelism" and "--attn-dp-size 1" in support.detail
+
+
+# The ServerArgs fields the checks above read, and the flags their refusals name.
+CHECKED_FLAGS = {
+    "ep_size": ["--ep-size", "2"],
+    "moe_a2a_backend": ["--moe-a2a-backend", "deepep"],
+    "enable_waterfill": ["--enable-waterfill"],
+    "elastic_ep_backend": ["--elastic-ep-backend", "mooncake"],
+    "ep_join_mode": ["--elastic-ep-join-mode", "scale"],
+    "dllm_algorithm": ["--dllm-algorithm", "LowConfidence"],
+    "attn_dp_size": ["--attn-dp-size", "2"],
+    "dwdp_size": ["--dwdp-size", "2"],
+    "enable_dp_attention": ["--enable-dp-attention"],
+}
+
+
+def test_the_checked_fields_and_flags_exist_in_sglang() -> None:
+    # A rename in SGLang fails here rather than silently serving with reuse on.
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {f.name for f in msgspec.structs.fields(ServerArgs)}
+    assert set(CHECKED_FLAGS) <= fields
+    default = cli_args()
+    for field, argv in CHECKED_FLAGS.items():
+        assert getattr(cli_args(*argv), field) != getattr(default, field), argv
+
+
+def function_source(module: str, name: str) -> str:
+    """The source text of top-level function ``name`` in SGLang's ``module``, read from
+    its file under the installed ``sglang`` package (the module is not imported)."""
+    import ast
+    from pathlib import Path
+
+    import sglang
+
+    root = Path(sglang.__file__).parent.parent
+    text = (root / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(text, node) or ""
+    raise AssertionError(f"{module}.{name} is gone")
+
+
+def test_sglang_masks_moe_rows_only_under_the_refused_settings() -> None:
+    # Top-k reads the row bound from the forward context, which a phase batch inherits
+    # from the live batch ...
+    routing = function_source("sglang.srt.layers.moe.topk", "resolve_routing_inputs")
+    assert "get_forward_context().moe_num_token_non_padded" in routing
+    # ... and SGLang sets that bound only under EP, the (customized) all-to-all backend,
+    # elastic EP's WORLD gather, or DP attention with TP MoE on ROCm: all refused.
+    gate = function_source(
+        "sglang.srt.model_executor.forward_batch_info", "enable_num_token_non_padded"
+    )
+    for condition in (
+        "get_parallel().moe_ep_size > 1",
+        "world_dp_gather_enabled()",
+        "get_moe_a2a_backend().is_customized()",
+        "_dp_tp_moe_masks_pad_rows()",
+    ):
+        assert condition in gate
+    assert gate.count(" or ") == 2, "SGLang masks MoE rows under a new condition"
+    rocm = function_source(
+        "sglang.srt.model_executor.forward_batch_info", "_dp_tp_moe_masks_pad_rows"
+    )
+    assert "get_parallel().attn_dp_size > 1" in rocm
+    widths = function_source("sglang.srt.runtime_context", "parallel_widths_of")
+    assert "moe_ep_size=cfg.ep_size" in widths

@@ -109,7 +109,7 @@ def test_chunk_starts_are_padded_to_the_page_size_sglang_resolved(
     args._resolved_overrides = [("_mla_backend_page_constraints", {"page_size": 64})]
     with caplog.at_level("INFO"):
         assert launch_check(args, config).page_size == 64
-    assert "chunk reuse on" in caplog.text and "page size 64" in caplog.text
+    assert "leave chunk reuse on" in caplog.text and "page size 64" in caplog.text
     assert "resolved --page-size 64 (asked: 16)" in caplog.text
     args._resolved_overrides.append(("user", {"attention_backend": "trtllm_mha"}))
     with caplog.at_level("INFO"):
