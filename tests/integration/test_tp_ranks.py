@@ -38,11 +38,15 @@ def test_a_fault_on_one_rank_sends_both_down_one_path(
 ) -> None:
     """Rank-local faults. One rank's record of C is gone: a miss there only, so both ranks
     encode C. One rank's record of D has a payload failing its checksum, found while phase
-    2 loads it: both ranks finish the forward, then retry together with D a miss. Each
-    request answers; counts are summed over both ranks."""
+    2 loads it: both ranks finish the forward, then retry together with D a miss. Rank 1's
+    selection raises (an injected error, through an SGLang plugin of the test's own): both
+    ranks run that batch as plain prefill, its answer is exact prefill's, and the next
+    request reuses again. Each request answers; counts are summed over both ranks."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("SGLang's CPU tensor parallelism binds each rank to a core of its own")
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
+    trigger = tmp_path / "fault_on"
+    fault_plugin(tmp_path / "plugin", trigger, monkeypatch)
     root = tmp_path / "disk"
     with launch("--tp-size", "2", *DISK_ONLY, "--pic-disk-cache-dir", str(root)) as s:
         first = s.send(body(*chunked(["A", "B", "C", "D"], "Which city is in Norway?")))
@@ -71,6 +75,55 @@ def test_a_fault_on_one_rank_sends_both_down_one_path(
         for moved in (gone, bad):
             assert moved.get("sgl_pic_failures_total", 0) == 0
             assert moved.get("sgl_pic_fallbacks_total", 0) == 0
+
+        question = "Which city sits where two rivers meet?"
+        toks, spans = chunked(["B", "A"], question, f"Notes on {question}\n")
+        trigger.touch()
+        faulted = s.send(body(toks, spans))
+        trigger.unlink()
+        exact = s.send(body(toks, None)).out["output_ids"]  # sent second: no prefix to find
+        assert faulted.delta["sgl_pic_failures_total"] == 2  # one on each rank
+        assert faulted.out["output_ids"] == exact  # the batch ran as exact prefill
+        after = answer(s.url, s.metrics, ["A", "B"], "Which city had wooden temples?")
+        assert after.get(DISK_HITS, 0) == 4 and after.get("sgl_pic_failures_total", 0) == 0
+        assert "injected fault on rank 1" in s.log_tail(2000)
+
+
+FAULT_PLUGIN = """
+import os
+
+
+def register():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sgl_pic.engine.select.Select.run", select, HookType.AROUND)
+
+
+def select(original, *args, **kwargs):
+    import torch.distributed as dist
+
+    if os.path.exists({trigger!r}) and dist.is_initialized() and dist.get_rank() == 1:
+        raise RuntimeError("injected fault on rank 1")
+    return original(*args, **kwargs)
+"""
+
+
+def fault_plugin(where: Path, trigger: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SGLang plugin (an entry point of a distribution on PYTHONPATH, found by SGLang's
+    ``load_plugins`` in every process) whose hook makes rank 1's selection raise while
+    ``trigger`` exists."""
+    where.mkdir()
+    (where / "sgl_pic_test_faults.py").write_text(FAULT_PLUGIN.format(trigger=str(trigger)))
+    info = where / "sgl_pic_test_faults-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sgl-pic-test-faults\nVersion: 0.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nsgl_pic_test_faults = sgl_pic_test_faults:register\n"
+    )
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(where), path])))
 
 
 DISK_HITS = 'sgl_pic_tier_hits_total{tier="disk"}'
