@@ -76,7 +76,7 @@ class PicServerSettings:
     override it. Fields without a flag are set by the launcher itself."""
 
     config: PicConfig
-    model_path: str = setting("", "model directory (its fingerprint keys every tier)")
+    model_path: str = setting("", "--model-path as given: a directory, GGUF file or hub id")
     device_cache_fraction: float = setting(
         0.5,
         "share of SGLang's KV pool chunk nodes may hold, in [0, 1]",
