@@ -22,6 +22,7 @@ from sgl_pic.binding.self_check import (
     SUPPORTED_BACKENDS,
     Support,
     check_args,
+    check_model_config,
     sglang_kv_tiers,
 )
 
@@ -37,24 +38,20 @@ PREFILL_GRAPH_RUNNER = "PrefillCudaGraphRunner"
 
 def check_support(ctx: Any, prefill_graph_guarded: Callable[[Any], bool] | None = None) -> Support:
     """Whether the chunk path covers this server (``ctx``: SGLang's tree-cache build
-    context). Models whose attention the method does not cover are refused here; every
-    refusal's detail names the flag that would lift it. ``prefill_graph_guarded(runner)``:
-    whether batches with chunked requests are kept off that prefill graph runner (default:
-    the plugin's hook is on its ``can_run_graph``)."""
+    context). Models whose attention the method does not cover are refused here (what
+    their config decides by ``self_check.check_model_config``, the launcher's rule too);
+    every refusal's detail names the flag that would lift it.
+    ``prefill_graph_guarded(runner)``: whether batches with chunked requests are kept off
+    that prefill graph runner (default: the plugin's hook is on its ``can_run_graph``)."""
     guarded = prefill_graph_guarded or graph_guarded
     runner = getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
     if runner is None:
         return Support("no_model_runner", "the scheduler exposes no model runner")
-    support = check_args(ctx.server_args)
-    if not support.ok:
-        return support
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
-        return Support(
-            "hybrid", f"hybrid sliding-window / state-space / sparse attention models; {NO_FLAG}"
-        )
-    hf = ctx.model_config.hf_config
-    if getattr(hf, "kv_lora_rank", None):
-        return Support("mla", f"multi-head latent attention (MLA); {NO_FLAG}")
+    hybrid = ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False)
+    # The model first: no flag lifts its refusal, so naming one (the backend's) would mislead.
+    for support in (check_model_config(ctx.model_config, hybrid), check_args(ctx.server_args)):
+        if not support.ok:
+            return support
     pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     if type(pool).__name__ != "MHATokenToKVPool":
         return Support(

@@ -1,5 +1,5 @@
-"""What the chunk path needs of SGLang's resolved server arguments, and which flag lifts
-each refusal.
+"""What the chunk path needs of SGLang's resolved server arguments and of the model's
+config (``check_model_config``), and which flag lifts each refusal.
 
 SGLang 0.5.23 resolves its arguments into a stash of declarations beside the raw record
 (``ServerArgs.resolve_once``; ``arg_groups.model_override_base.resolved_view`` reads
@@ -13,6 +13,7 @@ Pure functions of their arguments; they change nothing.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 # Backends whose extend reads keys through req_to_token rows with per-sequence prefix
@@ -56,6 +57,49 @@ def attention_backends(view: Any) -> tuple[str | None, str | None]:
     prefill = getattr(view, "prefill_attention_backend", None) or base
     decode = getattr(view, "decode_attention_backend", None) or base
     return prefill, decode
+
+
+def check_model_config(model_config: Any, hybrid: bool = False) -> Support:
+    """The part of the support check SGLang's ``ModelConfig`` decides before the model
+    loads, written once for the launcher (which keeps SGLang's attention backend for a
+    model refused here) and the scheduler (``model_hooks.check_support``): hybrid
+    attention (``hybrid_attention``), multi-head latent attention and encoder-decoder
+    (cross attention) models. ``hybrid``: what the caller knows besides (the scheduler's
+    build-context flags ``is_hybrid_swa`` / ``is_hybrid_ssm`` / ``is_dsa``). A stand-in
+    (no SGLang ModelConfig) is read by the fields it carries."""
+    if hybrid or hybrid_attention(model_config):
+        return Support(
+            "hybrid", f"hybrid sliding-window / state-space / sparse attention models; {NO_FLAG}"
+        )
+    arch = getattr(getattr(model_config, "attention_arch", None), "name", None)
+    if arch == "MLA" or getattr(getattr(model_config, "hf_config", None), "kv_lora_rank", None):
+        return Support("mla", f"multi-head latent attention (MLA); {NO_FLAG}")
+    if getattr(model_config, "is_encoder_decoder", False):
+        return Support("cross_attention", f"cross attention; {NO_FLAG}")
+    return OK
+
+
+def hybrid_attention(model_config: Any) -> bool:
+    """Whether SGLang serves the model with hybrid sliding-window, state-space or sparse
+    (DSA) attention, from the sources its scheduler reads (``kv_cache_builder.build_kv_cache``:
+    ``ModelConfig.is_hybrid_swa``, ``uses_ssm_state``, ``is_deepseek_dsa``), plus the
+    architecture's own SWA verdict (``is_hybrid_swa_model``: under
+    ``--disable-hybrid-swa-memory`` its sliding layers keep their window) and pure
+    state-space models (``AttentionArch.SSM``). A stand-in: its ``is_hybrid_swa`` only."""
+    if getattr(model_config, "is_hybrid_swa", False):
+        return True
+    module = sys.modules.get("sglang.srt.configs.model_config")  # loaded with any instance
+    if module is None or not isinstance(model_config, module.ModelConfig):
+        return False
+    from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
+
+    hf = model_config.hf_config
+    return bool(
+        module.is_hybrid_swa_model(hf.architectures or [], model_config.hf_text_config)
+        or model_config.attention_arch == module.AttentionArch.SSM
+        or module.is_deepseek_dsa(hf)
+        or uses_ssm_state(model_config)
+    )
 
 
 def check_args(args: Any) -> Support:

@@ -9,8 +9,9 @@ SGLang's arguments are resolved before anything starts: chunk starts are padded 
 page size SGLang resolved, and a self-check logs whether the resolved arguments leave the
 chunk path on (each refusal names the flag that lifts it). SGLang's GPU defaults are kept,
 prefill CUDA graphs included (batches with chunked requests run eagerly); only where no
-attention backend was named and SGLang's default is one the chunk path does not cover
-(trtllm_mha on Blackwell) is FlashInfer chosen instead, with a log line.
+attention backend was named, SGLang's default is one the chunk path does not cover
+(trtllm_mha on Blackwell) and the model's config is one it covers
+(``self_check.check_model_config``) is FlashInfer chosen instead, with a log line.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import dataclasses
 import logging
 import secrets
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sgl_pic.cli.flags import config_kwargs, pic_arg_parser, server_kwargs
 from sgl_pic.config import PicConfig
+
+if TYPE_CHECKING:
+    from sgl_pic.binding.self_check import Support
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +119,9 @@ def resolve_server_args(argv: list[str], reuse: bool = True) -> tuple[Any, list[
     """SGLang's ``ServerArgs`` for ``argv``, resolved as its launcher resolves them, and
     the argv they came from. With ``reuse`` on and no attention backend named, a default
     the chunk path does not cover (SGLang picks trtllm_mha on Blackwell) is replaced by
-    FlashInfer (triton where FlashInfer is missing), said in the log."""
+    FlashInfer (triton where FlashInfer is missing), said in the log, unless the model's
+    config is one the chunk path refuses anyway (``_model_support``): SGLang's choice is
+    kept for it (some models, GPT-OSS among them, accept only SGLang's backends)."""
     from sglang.srt.server_args import prepare_server_args
 
     from sgl_pic.binding.self_check import SUPPORTED_BACKENDS, attention_backends, resolved
@@ -125,6 +131,17 @@ def resolve_server_args(argv: list[str], reuse: bool = True) -> tuple[Any, list[
         return args, argv
     prefill, decode = attention_backends(resolved(args))
     if {prefill, decode} <= SUPPORTED_BACKENDS:
+        return args, argv
+    model = _model_support(args)
+    if model is not None and not model.ok:
+        logger.warning(
+            "sgl_pic: keeping SGLang's attention backend (%s prefill, %s decode): chunk "
+            "reuse will be off for this model (%s): %s",
+            prefill,
+            decode,
+            model.reason,
+            model.detail,
+        )
         return args, argv
     from sglang.srt.runtime_context import get_platform
 
@@ -141,6 +158,27 @@ def resolve_server_args(argv: list[str], reuse: bool = True) -> tuple[Any, list[
     return _resolved(prepare_server_args(argv)), argv
 
 
+def _model_support(args: Any) -> Support | None:
+    """``self_check.check_model_config`` on SGLang's ``ModelConfig`` of the resolved
+    ``args``, built as its scheduler builds it (``ModelConfig.from_server_args``); None,
+    with why in the log, where the config cannot be read (the model is then checked as it
+    loads)."""
+    from sgl_pic.binding.self_check import check_model_config
+
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        return check_model_config(ModelConfig.from_server_args(args))
+    except Exception as e:  # any failure to read the config: decided as the model loads
+        logger.warning(
+            "sgl_pic: could not read the model's config before it loads (%s: %s); it is "
+            "checked as it loads",
+            type(e).__name__,
+            e,
+        )
+        return None
+
+
 def _resolved(args: Any) -> Any:
     """``args`` resolved as SGLang's own ``run_server`` resolves them: its gRPC servers
     read the raw ``tokenizer_path``, which it seeds before resolution seals the record."""
@@ -153,8 +191,12 @@ def _resolved(args: Any) -> Any:
 def launch_check(server_args: Any, config: PicConfig) -> PicConfig:
     """The launch-time self-check: ``config`` with the page size SGLang resolved (chunk
     starts are padded to it), and a log line saying whether the resolved arguments leave
-    chunk reuse on, naming the flag that lifts a refusal. The scheduler makes the same
-    decision on the same arguments (``model_hooks.check_support``) and acts on it."""
+    chunk reuse on, naming the flag that lifts a refusal; where the backend is the refusal
+    and the model's config is refused anyway, the model's refusal is named instead (no
+    flag lifts it). The scheduler makes the same decision on the same arguments
+    (``model_hooks.check_support``) and acts on it."""
+    from sglang.srt.server_args import ServerArgs
+
     from sgl_pic.binding.self_check import attention_backends, check_launch, resolved
 
     view = resolved(server_args)
@@ -171,6 +213,10 @@ def launch_check(server_args: Any, config: PicConfig) -> PicConfig:
     except ValueError as e:  # a setting that needs another page size
         raise SystemExit(f"sgl_pic: {e} (SGLang resolved --page-size {page})") from e
     support = check_launch(server_args, config.page_size)
+    if support.reason == "backend" and isinstance(server_args, ServerArgs):
+        # SGLang's backend kept for a model refused anyway: name the model, not a flag.
+        model = _model_support(server_args)
+        support = model if model is not None and not model.ok else support
     graphs = getattr(view, "cuda_graph_config", None)
     prefill_graph = getattr(getattr(graphs, "prefill", None), "backend", None)
     if support.ok:
@@ -200,7 +246,11 @@ def _model_check(model_path: str, config: PicConfig, ns: argparse.Namespace) -> 
     from sgl_pic.cli.check import print_report, run_check, write_report
 
     # The precision floor takes no part in the verdict: not measured before serving.
-    report = run_check(model_path, config, floor=False)
+    try:
+        report = run_check(model_path, config, floor=False)
+    except Exception as e:  # a model the gate cannot load: refused, never a dead launch
+        logger.exception("sgl_pic: --pic-check could not run on %s", model_path)
+        return f"--pic-check could not run on the model ({type(e).__name__}: {e})"
     print_report(report)
     if ns.pic_check_out:
         write_report(report, Path(ns.pic_check_out))

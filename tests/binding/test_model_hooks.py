@@ -168,6 +168,32 @@ def test_hybrid_mla_and_other_pools_are_refused() -> None:
     assert check_support(c).reason == "prefill_graph"
 
 
+def test_the_model_part_is_the_launchers_config_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_pic.binding import model_hooks
+    from sgl_pic.binding.self_check import Support, check_model_config
+
+    c = ctx()
+    c.is_dsa = True  # the build context's own flags count as the config's
+    assert check_support(c) == check_model_config(c.model_config, hybrid=True)
+    assert check_support(c).reason == "hybrid"
+    # A model refusal comes before a backend's: no flag would lift it.
+    c = ctx("trtllm_mha")
+    c.model_config.hf_config.kv_lora_rank = 512
+    assert check_support(c).reason == "mla"
+    c = ctx()
+    c.model_config.is_encoder_decoder = True
+    assert check_support(c).reason == "cross_attention"
+    seen: list[tuple[Any, bool]] = []
+
+    def spy(model_config: Any, hybrid: bool = False) -> Support:
+        seen.append((model_config, hybrid))
+        return Support("spy", "lifted by --spy")
+
+    monkeypatch.setattr(model_hooks, "check_model_config", spy)
+    c = ctx()
+    assert check_support(c) == ("spy", "lifted by --spy") and seen == [(c.model_config, False)]
+
+
 def test_wrapper_hands_extend_batches_to_the_executor_only() -> None:
     model = Model()
     seen: list[Any] = []

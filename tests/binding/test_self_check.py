@@ -1,7 +1,7 @@
 """The support check on SGLang's resolved arguments: resolved values are read (not the raw
 record), every prefill graph backend is served, page sizes must agree, and every refusal
-names the flag that lifts it. (A whole launch on a mocked CUDA GPU:
-``tests/cli/test_launch_server.py``.)"""
+names the flag that lifts it; the model's config is refused by what SGLang's ModelConfig
+says of it. (A whole launch on a mocked CUDA GPU: ``tests/cli/test_launch_server.py``.)"""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from sgl_pic.binding.self_check import (
     check_args,
     check_launch,
+    check_model_config,
     check_page_size,
 )
 
@@ -247,3 +248,107 @@ def test_sglang_masks_moe_rows_only_under_the_refused_settings() -> None:
     assert "get_parallel().attn_dp_size > 1" in rocm
     widths = function_source("sglang.srt.runtime_context", "parallel_widths_of")
     assert "moe_ep_size=cfg.ep_size" in widths
+
+
+# --- The model's config, as SGLang's ModelConfig reads it before the model loads ---
+
+# Small configs of architectures SGLang serves with multi-head latent attention, with
+# DeepSeek sparse attention (DSA: a DeepSeek-V3 architecture with an indexer) and with
+# hybrid linear (gated delta-net) attention; ModelConfig reads config.json alone.
+SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=1000,
+    max_position_embeddings=2048,
+    num_experts_per_tok=2,
+    torch_dtype="bfloat16",
+)
+MLA = dict(
+    SHAPES,
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+)
+DSA = dict(
+    MLA,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    q_lora_rank=32,
+    index_topk=16,
+    index_head_dim=32,
+    index_n_heads=2,
+)
+HYBRID_SSM = dict(
+    SHAPES,
+    architectures=["Qwen3NextForCausalLM"],
+    model_type="qwen3_next",
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    full_attention_interval=4,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    shared_expert_intermediate_size=32,
+)
+
+
+def sglang_model_config(path: Any, **kwargs: Any) -> Any:
+    """SGLang's ModelConfig of the model directory ``path`` (on the CPU)."""
+    from sgl_pic.binding.cpu_env import activate_cpu_stubs
+
+    activate_cpu_stubs()
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(model_path=str(path), **kwargs)
+
+
+def config_dir(path: Any, config: dict) -> Any:
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_the_model_config_check_refuses_hybrid_and_mla_models_as_sglang_reads_them(
+    tmp_path: Any, embedded_path: str
+) -> None:
+    from tests.support.cuda_args import write_hybrid_swa_model
+
+    assert check_model_config(sglang_model_config(embedded_path)).ok
+    gpt_oss = write_hybrid_swa_model(tmp_path / "gpt-oss")
+    for disabled in (False, True):
+        # --disable-hybrid-swa-memory gives GPT-OSS SGLang's plain pool; its sliding
+        # layers keep their window, so it stays refused.
+        config = sglang_model_config(gpt_oss, disable_hybrid_swa_memory=disabled)
+        assert config.is_hybrid_swa is not disabled
+        assert check_model_config(config).reason == "hybrid"
+    mla = sglang_model_config(config_dir(tmp_path / "mla", MLA))
+    assert mla.attention_arch.name == "MLA" and check_model_config(mla).reason == "mla"
+    # SGLang's scheduler marks these is_dsa / is_hybrid_ssm (kv_cache_builder).
+    for name, config in (("dsa", DSA), ("ssm", HYBRID_SSM)):
+        support = check_model_config(sglang_model_config(config_dir(tmp_path / name, config)))
+        assert support.reason == "hybrid" and "no server flag lifts it" in support.detail
+
+
+def test_the_model_config_check_reads_a_stand_in_by_its_fields() -> None:
+    assert check_model_config(SimpleNamespace(hf_config=SimpleNamespace())).ok
+    mla = SimpleNamespace(hf_config=SimpleNamespace(kv_lora_rank=512))
+    assert check_model_config(mla).reason == "mla"
+    assert check_model_config(SimpleNamespace(is_hybrid_swa=True)).reason == "hybrid"
+    assert check_model_config(SimpleNamespace(), hybrid=True).reason == "hybrid"
+    cross = SimpleNamespace(is_encoder_decoder=True)  # SGLang's Mllama, Whisper
+    assert check_model_config(cross).reason == "cross_attention"

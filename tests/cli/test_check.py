@@ -78,6 +78,20 @@ def test_reusing_everything_fails_and_refuses_reuse(embedded_path: str, tmp_path
     assert kl["value"] == pytest.approx(1.0)  # full reuse against itself
 
 
+def test_a_gate_that_cannot_run_refuses_reuse_and_the_launch_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sgl_pic.cli import check
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise MemoryError("no room for the oracle")
+
+    monkeypatch.setattr(check, "run_check", broken)
+    ns = argparse.Namespace(pic_check_out="")
+    reason = _model_check("org/model", PicConfig(), ns)
+    assert reason == "--pic-check could not run on the model (MemoryError: no room for the oracle)"
+
+
 def test_a_directory_without_a_model_fails_with_the_reason(tmp_path: Path) -> None:
     report = run_check(tmp_path)
     assert not report.passed

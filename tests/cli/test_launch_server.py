@@ -154,7 +154,7 @@ def cuda_launch(gpu: str, mode: str, *argv: str) -> dict[str, Any]:
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "log": out.stderr}
 
 
 @pytest.mark.sglang
@@ -174,8 +174,48 @@ def test_a_default_launch_on_blackwell_serves_reuse_at_the_pools_page_size() -> 
     # SGLang resolved.
     got = cuda_launch("b200", "launcher")
     assert got["attention"][0] == "flashinfer" and got["prefill_graph"] == "breakable"
+    assert "serving with --attention-backend flashinfer" in got["log"]
     assert (got["reason"], got["detail"]) == ("", "")
     assert got["config_page_size"] == got["pool_page_size"] == got["page_size"]
+
+
+@pytest.mark.sglang
+def test_a_default_launch_on_blackwell_keeps_sglangs_backend_for_a_model_reuse_refuses(
+    tmp_path: Path,
+) -> None:
+    # GPT-OSS: hybrid sliding-window attention, which the chunk path refuses whatever the
+    # backend, and SGLang serves it with its own backends only (FlashInfer would fail its
+    # assertion). The launcher keeps SGLang's trtllm_mha and says why.
+    from tests.support.cuda_args import write_hybrid_swa_model
+
+    model = write_hybrid_swa_model(tmp_path / "gpt-oss")
+    got = cuda_launch("b200", "launcher", "--model-path", str(model))
+    assert got["attention"][0] == "trtllm_mha"
+    assert (
+        "keeping SGLang's attention backend (trtllm_mha prefill, trtllm_mha decode): "
+        "chunk reuse will be off for this model (hybrid)" in got["log"]
+    )
+    assert "serving with --attention-backend" not in got["log"]
+    # The launch self-check and the scheduler's name the model, not a flag that won't help.
+    assert "chunk reuse will be off (hybrid)" in got["log"]
+    assert "lifted by --attention-backend" not in got["log"]
+    assert got["reason"] == "hybrid" and "no server flag lifts it" in got["detail"]
+
+
+@pytest.mark.sglang
+def test_a_model_config_that_cannot_be_read_leaves_the_check_to_the_loaded_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The backend is then chosen as for a covered model, with why in the log.
+    from types import SimpleNamespace
+
+    from sgl_pic.binding.cpu_env import activate_cpu_stubs
+    from sgl_pic.cli.launch_server import _model_support
+
+    activate_cpu_stubs()
+    with caplog.at_level("WARNING"):
+        assert _model_support(SimpleNamespace(model_path="/no/such/model")) is None
+    assert "could not read the model's config" in caplog.text
 
 
 def test_fair_share_and_namespace_metric_flags_reach_the_scheduler_settings(

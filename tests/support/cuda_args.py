@@ -1,14 +1,17 @@
 """SGLang's own server-argument resolution on a machine that reports a CUDA GPU (mocked),
 then the scheduler's support check on a build context made from the resolved arguments.
 
-Run as ``python -m tests.support.cuda_args GPU [ARGV...]`` (GPU: ``h100`` or ``b200``);
-prints one JSON line. A child process: the mocks and SGLang's cached platform probes must
+Run as ``python -m tests.support.cuda_args GPU MODE [ARGV...]`` (GPU: ``h100`` or
+``b200``; ARGV names the embedded model unless it has ``--model-path``); prints one JSON
+line. A child process: the mocks and SGLang's cached platform probes must
 not leak into the test process. The launcher's ``build`` makes the argv, and SGLang's
 ``prepare_server_args`` + ``ServerArgs.resolve_once`` resolve it (``launcher`` mode: through
 ``launch_server.resolve_server_args``, as ``main`` does). The build context is SGLang's
 ``TreeCacheBuildContext`` holding SGLang's real KV pool and allocator (on the CPU, sized
-small, at the resolved page size and dtype) and the prefill graph runner class SGLang's
-``capture_prefill_graph`` picks for the resolved prefill graph backend.
+small, at the resolved page size and dtype), the prefill graph runner class SGLang's
+``capture_prefill_graph`` picks for the resolved prefill graph backend, and SGLang's
+``ModelConfig`` for the resolved arguments with the hybrid flags its ``build_kv_cache``
+derives from it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -25,6 +29,33 @@ GPUS = {
     "h100": ("NVIDIA H100 80GB HBM3", (9, 0)),
     "b200": ("NVIDIA B200", (10, 0)),
 }
+
+
+def write_hybrid_swa_model(path: Path) -> Path:
+    """A model directory holding only a small GPT-OSS ``config.json``: an architecture
+    SGLang serves with hybrid sliding-window attention (``SWA_SINK_ARCHS`` in
+    ``configs/model_config.py``) and with its own attention backends only; enough for
+    SGLang's argument resolution and ``ModelConfig``, which read the config alone."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "head_dim": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 128,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 def _mock_cuda(gpu: str) -> None:
@@ -58,8 +89,10 @@ def main(argv: list[str]) -> None:
     activate_cpu_stubs()  # SGLang's CPU-only imports, before the machine turns "CUDA"
     import sglang.srt.arg_groups.pipeline  # noqa: F401
     from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.configs.model_config import ModelConfig, is_deepseek_dsa
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
     from sglang.srt.model_executor.runner.eager_runner import EagerRunner
@@ -76,10 +109,11 @@ def main(argv: list[str]) -> None:
     from tests.binding.test_model_hooks import Model
 
     gpu, mode, *user = argv
-    model = str(ensure_embedded_model().path)
+    if "--model-path" not in user:
+        user = ["--model-path", str(ensure_embedded_model().path), *user]
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
     _mock_cuda(gpu)
-    sglang_argv, _ns, config = launch_server.build(["--model-path", model, *user])
+    sglang_argv, _ns, config = launch_server.build(user)
     if mode == "launcher":
         args, sglang_argv = launch_server.resolve_server_args(sglang_argv)
         config = launch_server.launch_check(args, config)
@@ -87,6 +121,7 @@ def main(argv: list[str]) -> None:
         args = prepare_server_args(sglang_argv)
         args.resolve_once()
     view = resolved_view(args)
+    model_config = ModelConfig.from_server_args(args)  # as SGLang's scheduler builds it
     graph_backend = view.cuda_graph_config.prefill.backend
     page = int(view.page_size or 1)
     mock.patch.stopall()
@@ -106,14 +141,16 @@ def main(argv: list[str]) -> None:
     ctx = TreeCacheBuildContext(
         server_args=args,
         params=SimpleNamespace(token_to_kv_pool_allocator=allocator, page_size=page),
-        is_hybrid_swa=False,
-        is_hybrid_ssm=False,
+        # As SGLang's build_kv_cache derives them (mem_cache/kv_cache_builder.py).
+        is_hybrid_swa=model_config.is_hybrid_swa,
+        is_hybrid_ssm=uses_ssm_state(model_config),
+        is_dsa=is_deepseek_dsa(model_config.hf_config),
         enable_hierarchical_cache=False,
         disable_radix_cache=False,
         tp_worker=SimpleNamespace(
             model_runner=SimpleNamespace(model=Model(), prefill_cuda_graph_runner=graph_runner)
         ),
-        model_config=SimpleNamespace(hf_config=SimpleNamespace()),
+        model_config=model_config,
         tp_size=1,
         tp_rank=0,
         tp_group=None,
