@@ -1,12 +1,20 @@
-"""The wheel ships the CUDA sources, and an installed sgl_pic finds them.
+"""The wheel ships the CUDA sources, and an installed sgl_pic finds them; our dependencies
+admit SGLang's exact pins.
 
 The sources live in top-level ``kernels/``; pyproject.toml maps that directory into the
 package as ``sgl_pic/kernels``. The wheel is built from a copy of the tree, so the build
 writes nothing into the checkout other people work in.
+
+pyproject.toml's dependencies must hold every exact pin of the installed SGLang, so that
+``pip install sgl-pic`` beside it keeps SGLang's versions; constraints.txt holds the CPU
+install's exact versions, SGLang's own except torch (the CPU wheel).
+scripts/check_sglang_pins.py asks pip's resolver the same question.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +23,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from setuptools import find_packages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,3 +122,90 @@ def test_source_checkout_resolves_top_level_kernels() -> None:
     if (Path(cuda.__file__).resolve().parents[1] / "kernels").is_dir():
         pytest.skip("running from an installed package, not the checkout")
     assert cuda.KERNEL_DIR == REPO / "kernels"
+
+
+def _applies(req: Requirement) -> bool:
+    """Whether ``req`` applies here without extras (its markers, for this platform)."""
+    return req.marker is None or req.marker.evaluate({"extra": ""})
+
+
+def _pins_outside(pinned: list[str], ours: list[str]) -> list[str]:
+    """Each exact ``==`` pin in ``pinned`` that our requirement of the same name rejects,
+    as "pin (ours: spec)". Requirements that do not apply here (extras, other platforms)
+    are left out on both sides."""
+    specs = {canonicalize_name(r.name): r.specifier for r in map(Requirement, ours) if _applies(r)}
+    outside = []
+    for req in map(Requirement, pinned):
+        spec = specs.get(canonicalize_name(req.name))
+        if spec is None or not _applies(req):
+            continue
+        for pin in req.specifier:
+            exact = pin.operator == "==" and not pin.version.endswith(".*")
+            if exact and not spec.contains(pin.version, prereleases=True):
+                outside.append(f"{req.name}=={pin.version} (ours: {req.name}{spec})")
+    return outside
+
+
+def _dependencies() -> list[str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def _constraints() -> list[str]:
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+@pytest.fixture(scope="module")
+def sglang_requires() -> list[str]:
+    try:
+        requires = importlib.metadata.requires("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        if os.environ.get("SGL_PIC_REQUIRE_SGLANG") == "1":
+            raise
+        pytest.skip("sglang not installed (scripts/install_sglang_cpu.sh)")
+    assert requires, "sglang's metadata lists no requirements"
+    return requires
+
+
+def test_pins_outside_catches_a_conflicting_specifier() -> None:
+    sglang = [
+        "torch==2.14.1",
+        "tokenizers==0.23.2",
+        "numpy",
+        "gguf>=0.10",
+        "av==16.1.0; python_version < '3'",  # not this platform
+        "accelerate==1.0.0; extra == 'test'",  # an extra
+    ]
+    ours = ["torch==2.13.0", "tokenizers>=0.23.2,<0.24", "numpy<2.4", "av==1", "accelerate==2"]
+    assert _pins_outside(sglang, ours) == ["torch==2.14.1 (ours: torch==2.13.0)"]
+    assert _pins_outside(sglang, ["Tokenizers>0.23.2"]) == [
+        "tokenizers==0.23.2 (ours: tokenizers>0.23.2)"
+    ]
+    assert _pins_outside(sglang, ["torch>=2.13.0,<2.15", "tokenizers>=0.23.2"]) == []
+
+
+def test_dependencies_admit_every_sglang_pin(sglang_requires: list[str]) -> None:
+    ours = _dependencies()
+    assert _pins_outside(sglang_requires, ours) == [], "pyproject.toml would move SGLang's pins"
+    # Not vacuous: SGLang pins these three exactly and we require each of them.
+    pinned = {
+        canonicalize_name(r.name)
+        for r in map(Requirement, sglang_requires)
+        if _applies(r) and any(s.operator == "==" for s in r.specifier)
+    }
+    assert {"torch", "transformers", "tokenizers"} <= pinned & {
+        canonicalize_name(Requirement(d).name) for d in ours
+    }
+
+
+def test_constraints_are_sglangs_pins_but_torch(sglang_requires: list[str]) -> None:
+    """constraints.txt installs SGLang's own versions, so the tests run on them; torch alone
+    is the CPU wheel's."""
+    outside = _pins_outside(sglang_requires, _constraints())
+    assert [o for o in outside if not o.startswith("torch==")] == []
+    assert "torch==2.13.0" in _constraints()
+    assert f"sglang=={importlib.metadata.version('sglang')}" in _constraints()
+
+
+def test_constraints_satisfy_the_dependencies() -> None:
+    assert _pins_outside(_constraints(), _dependencies()) == []
