@@ -251,9 +251,14 @@ class ChatTemplate:
 
         source = self.tokenizer.get_chat_template(inputs.kwargs.get("chat_template"), tools)
         template = marking_template(source, ctu._compile_jinja_template)
-        messages = ctu._normalize_chat_messages(inputs.messages)
-        messages = ctu._alias_reasoning_fields(ctu._plain_template_data(messages))
-        plain_tools = ctu._plain_template_data(tools)
+        # transformers >= 5.24 prepares the template's inputs (null fields dropped, plain
+        # data, reasoning aliases); 5.19, SGLang 0.5.23's, passes them as given. Each step is
+        # taken where the installed transformers takes it, so the rendering stays its own.
+        normalize = getattr(ctu, "_normalize_chat_messages", _as_given)
+        plain = getattr(ctu, "_plain_template_data", _as_given)
+        alias = getattr(ctu, "_alias_reasoning_fields", _as_given)
+        messages = alias(plain(normalize(inputs.messages)))
+        plain_tools = plain(tools)
         objects: dict[int, int] = {}
         for i, piece in tool_pieces.items():
             tool = plain_tools[i]
@@ -262,13 +267,17 @@ class ChatTemplate:
                 objects[id(tool["function"])] = piece
         kwargs = {k: v for k, v in inputs.kwargs.items() if k != "chat_template"}
         variables = {
-            **ctu._plain_template_data({**self.tokenizer.special_tokens_map, **kwargs}),
+            **plain({**self.tokenizer.special_tokens_map, **kwargs}),
             "messages": messages,
             "tools": plain_tools,
             "documents": None,
             "add_generation_prompt": inputs.add_generation_prompt,
         }
         return render_marked(template, variables, Marks(contents, objects))
+
+
+def _as_given(value: Any) -> Any:
+    return value
 
 
 def server_template_defaults() -> dict[str, Any]:

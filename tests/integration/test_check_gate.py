@@ -36,4 +36,4 @@ def test_failed_gate_refuses_reuse_and_serves_exact_prefill(refused: Server) -> 
     assert after.get("sgl_pic_reused_tokens_total", 0.0) == 0.0
     log = Path(refused.log_path).read_text()
     assert "verdict: FAIL: reuse refused" in log
-    assert "chunk reuse is off: the model failed --pic-check: kl:" in log
+    assert "chunk reuse is off (model_check): the model failed --pic-check: kl:" in log
