@@ -61,6 +61,11 @@ class LowerHit(NamedTuple):
     context: str = ""
 
 
+
+def _check_pre_rope(fingerprint: ModelFingerprint) -> None:
+    if not fingerprint.pre_rope:
+        raise ValueError("lower tiers hold pre-RoPE keys: the fingerprint needs pre_rope=True")
+
 class LowerTiers:
     """store: the tiered host/disk store (its model digest is ``fingerprint.digest()``).
     fingerprint: the model's fingerprint with ``pre_rope=True``.
@@ -75,8 +80,7 @@ class LowerTiers:
         layout: RopeLayout = "neox",
         device: str = "cpu",
     ) -> None:
-        if not fingerprint.pre_rope:
-            raise ValueError("lower tiers hold pre-RoPE keys: the fingerprint needs pre_rope=True")
+        _check_pre_rope(fingerprint)
         if store.model_digest != fingerprint.digest():
             raise ValueError("the tiered store was built for another model fingerprint")
         self.store = store
@@ -157,8 +161,7 @@ class LowerTiers:
         written from now on still carry the launch digest (``model_digest``) in their
         header: a server launched with the new weights finds their keys and refuses them
         as foreign, a miss, never another model's KV."""
-        if not fingerprint.pre_rope:
-            raise ValueError("lower tiers hold pre-RoPE keys: the fingerprint needs pre_rope=True")
+        _check_pre_rope(fingerprint)
         self.fingerprint = fingerprint
 
     def keys(
