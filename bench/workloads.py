@@ -74,10 +74,8 @@ runs the three configurations behind the ideal side by side instead (``run_inter
 all three servers up (those not serving paused), the stream sent to each in turn in blocks
 of at least N requests. Each block also gets its own ideal, from that block of prefix
 caching, and ``fraction_of_ideal_blocks`` lists sgl-pic's fraction of it block by block
-(with their median). Two runs of agent with the same chunk path gave 0.74 (161bc09,
-``workloads.json`` then) and 0.84 of the ideal (5e836e7, ``workloads_agent_rerun.json``,
-with ``--decode-log-interval 1``): the spread of one run's blocks says how far a single
-figure can be trusted.
+(with their median): the spread of one run's blocks says how far a single figure can be
+trusted.
 
 Before its stream every server runs ``--server-warmup`` plain requests at once, of the
 streams' size (``server_warmup``), and has its prefix tree flushed (``warm_up``): nothing
