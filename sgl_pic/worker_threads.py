@@ -5,8 +5,8 @@ issues gives that thread its own team of ``torch.get_num_threads()`` workers, wh
 as long as the thread. Once the OpenMP runtime manages more threads than the machine has
 CPUs, libgomp stops spinning between parallel regions (its "throttled" spin count): the
 forward's own team then sleeps and is woken at every op. On a 2-core CPU server one idle
-promotion thread that had run a single rotation made every later forward about 1.3-1.4x
-slower, decode included (``bench/results/agent_host_tier/``). The work of our threads
+promotion thread that had run a single rotation made every later forward slower, decode
+included (``bench/RESULTS.md``, "Design studies"). The work of our threads
 (write-back, promotion, layer loads, shared-store calls) is off the request's critical
 path; the forward should keep every core. So each of them confines itself first.
 

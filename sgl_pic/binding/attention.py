@@ -88,8 +88,8 @@ class AttnGroup(NamedTuple):
 def query_blocks(q_index: torch.Tensor, num_keys: int) -> tuple[QueryBlock, ...]:  # [nq]
     """One causal block when every key has its query; otherwise the sorted queries cut
     into blocks (``block_cuts``), each against only the keys its last query sees. A full
-    [nq, nk] boolean mask sends SDPA down its slow path on the CPU (about 7x slower at 2k
-    tokens), and a masked key still costs what a seen one does."""
+    [nq, nk] boolean mask sends SDPA down its slow path on the CPU
+    (``bench/query_blocks.py``), and a masked key still costs what a seen one does."""
     n = q_index.numel()
     if n == num_keys and bool((q_index == torch.arange(n, device=q_index.device)).all()):
         return (QueryBlock(0, n, n, None),)
@@ -157,7 +157,7 @@ def grouped_forward_extend(
     for g in groups:
         qg = q_[g.q_start : g.q_end].transpose(0, 1)  # [H, nq, D]
         # index_select copies whole rows; indexing with the slot tensor takes the generic
-        # gather, about 3x slower on these rows (``bench/results/row_gather.json``).
+        # gather, slower on these rows (``bench/row_gather.py``).
         kg = k_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)  # [Hk, nk, D]
         vg = v_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)
         for blk in g.blocks:

@@ -1,14 +1,12 @@
 """The served drift signal: the first-token entropy of each request served by reuse.
 
-Of the per-request signals issue 46's studies measured (``bench/RESULTS.md``, "Signals of
-the recompute pass"), the confidence of the served first-token distribution ranks
-requests by their first-token KL to exact prefill about as well as any, and needs no
-second pass: the entropy's Spearman within one budget is 0.55-0.77 on three sets of
-MuSiQue prompts, 0.62 over all 80 (SmolLM2-135M), where the probe's attention, CacheBlend's
-deviation and the recomputed rows' K/V change reach 0.2 at most and the distance to full
-reuse (a second pass) 0.44-0.72. A near tie has more probability mass for stale KV to
-move. It costs one softmax over logits SGLang computes anyway. It is a rank, in nats, not
-a KL: nothing here maps it to a KL for a given model.
+Of the per-request signals measured (``bench/RESULTS.md``, "Signals of the recompute
+pass"), the confidence of the served first-token distribution ranks requests by their
+first-token KL to exact prefill about as well as any, and needs no second pass, where the
+probe's attention, CacheBlend's deviation and the recomputed rows' K/V change rank them
+worse. A near tie has more probability mass for stale KV to move. It costs one softmax
+over logits SGLang computes anyway. It is a rank, in nats, not a KL: nothing here maps it
+to a KL for a given model.
 
 After SGLang's logits processor ran an extend batch whose requests the chunk executor
 served (``mark``), those requests' next-token logits give their entropies; they go into

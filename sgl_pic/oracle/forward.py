@@ -87,8 +87,8 @@ def attention(
     kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, N, D]
     out = torch.empty_like(qq)
     # Blocks of queries against only the keys they can see: on the CPU a full [n, N]
-    # boolean mask takes SDPA's slow path (about 7x slower at 2k tokens), and the
-    # causal cut halves the work. Needs slot positions sorted, as every caller has.
+    # boolean mask takes SDPA's slow path, and the causal cut halves the work. Needs slot
+    # positions sorted, as every caller has.
     sorted_keys = k_pos.numel() < 2 or bool((k_pos[1:] >= k_pos[:-1]).all())
     block = _QUERY_BLOCK if sorted_keys else n
     for s in range(0, n, block):
