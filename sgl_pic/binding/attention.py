@@ -5,8 +5,8 @@
   attends each sub-request as a [seq_len x seq_len] causal SDPA with padded queries, so a
   phase with many runs of one row would cost runs x seq_len^2. This computes the same
   thing (each query sees its row's keys up to its own position) once per row, with the
-  query rows only. It is used for phase batches only; every other backend runs its own
-  kernels unchanged.
+  query rows only, and each sliding-window layer's window as SGLang's loop applies it. It
+  is used for phase batches only; every other backend runs its own kernels unchanged.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ def grouped_forward_extend(
     q_ = q.view(-1, num_heads, qk_dim)
     o = q.new_empty((q_.shape[0], num_heads, v_dim))
     gqa = layer.tp_q_head_num != layer.tp_k_head_num
+    window = sliding_window(layer)
     for g in groups:
         qg = q_[g.q_start : g.q_end].transpose(0, 1)  # [H, nq, D]
         # index_select copies whole rows; indexing with the slot tensor takes the generic
@@ -161,18 +162,43 @@ def grouped_forward_extend(
         kg = k_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)  # [Hk, nk, D]
         vg = v_cache.index_select(0, g.key_slots).transpose(0, 1).to(qg.dtype)
         for blk in g.blocks:
+            first, mask, causal = 0, blk.mask, blk.mask is None
+            if window is not None:
+                first, mask = windowed(g.q_index[blk.start : blk.end], blk.keys, window)
+                causal = False
             out = scaled_dot_product_attention(
                 qg[:, blk.start : blk.end].unsqueeze(0),
-                kg[:, : blk.keys].unsqueeze(0),
-                vg[:, : blk.keys].unsqueeze(0),
-                attn_mask=blk.mask,
-                is_causal=blk.mask is None,
+                kg[:, first : blk.keys].unsqueeze(0),
+                vg[:, first : blk.keys].unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
                 scale=layer.scaling,
                 enable_gqa=gqa,
             )
             rows = slice(g.q_start + blk.start, g.q_start + blk.end)
             o[rows] = out.squeeze(0).transpose(0, 1)
     return o.view(q_.shape[0], num_heads * v_dim)
+
+
+def sliding_window(layer: Any) -> int | None:  # sglang RadixAttention
+    """How many keys before its own a query of ``layer`` sees (SGLang's
+    ``sliding_window_size``: its torch_native loop masks keys below q - size), or None for
+    full attention."""
+    size = getattr(layer, "sliding_window_size", None)
+    return None if size is None or size < 0 else int(size)
+
+
+def windowed(
+    q_index: torch.Tensor,  # [nq] index of each query among the keys
+    keys: int,
+    window: int,
+) -> tuple[int, torch.Tensor]:
+    """The keys a block of queries sees under a sliding window: the first key any of them
+    sees, and # [nq, keys - first] bool, key k seen by query q iff q - window <= k <= q."""
+    first = max(0, int(q_index.min()) - window)  # host read: torch_native serves the CPU
+    pos = torch.arange(first, keys, device=q_index.device)[None, :]
+    q = q_index[:, None]
+    return first, (pos <= q) & (pos >= q - window)
 
 
 # The cost model of ``block_cuts``, chosen by timing SDPA on two CPU threads with
@@ -228,9 +254,10 @@ def torch_native_phase_extend(
     save_kv_cache: bool = True,
 ) -> torch.Tensor:
     """torch_native's extend for a phase batch, same result as SGLang's loop (see module
-    doc); # [n, num_heads * v_dim]."""
-    if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) not in (None, -1):
-        raise NotImplementedError("sgl_pic: cross attention and sliding windows are unsupported")
+    doc); # [n, num_heads * v_dim]. A sliding-window layer's queries see the keys SGLang's
+    loop lets them see (``windowed``)."""
+    if layer.is_cross_attention:
+        raise NotImplementedError("sgl_pic: cross attention is unsupported")
     return grouped_forward_extend(
         backend.token_to_kv_pool,
         q,

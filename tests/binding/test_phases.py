@@ -40,7 +40,9 @@ class Env:
     """A request table with two prompts (rows 1 and 2, ``lengths`` tokens) over shuffled
     pool slots."""
 
-    def __init__(self, lengths: tuple[int, int] = (60, 40), slots: int = SLOTS) -> None:
+    def __init__(
+        self, lengths: tuple[int, int] = (60, 40), slots: int = SLOTS, window: int = -1
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         self.req_pool = ReqToTokenPool(8, max(128, *lengths), "cpu", False)
         self.pool = MHATokenToKVPool(
@@ -67,7 +69,9 @@ class Env:
                 device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool
             )
         )
-        self.layer = RadixAttention(HEADS, DIM, DIM**-0.5, KV_HEADS, layer_id=0)
+        self.layer = RadixAttention(
+            HEADS, DIM, DIM**-0.5, KV_HEADS, layer_id=0, sliding_window_size=window
+        )
         self.g = g
 
     def live(self) -> ForwardBatch:
@@ -191,6 +195,18 @@ def test_phase_extend_over_several_blocks_and_a_whole_prompt() -> None:
         assert b.keys == int(scattered.q_index[b.end - 1]) + 1
         assert b.mask is not None and b.mask.shape == (b.end - b.start, b.keys)
     assert [(b.start, b.end, b.keys, b.mask) for b in whole.blocks] == [(0, 30, 30, None)]
+
+
+@pytest.mark.parametrize("window", [1, 7, 100])
+def test_phase_extend_applies_a_sliding_window_as_sglangs_loop_does(window: int) -> None:
+    # Runs spread over a row longer than the window, a run of several blocks, and a plain
+    # prompt from position 0: every query sees only the keys SGLang's loop lets it see.
+    env = Env(lengths=(300, 30), slots=512, window=window)
+    subs = [SubRequest(env.rows[0], a, 4) for a in range(0, 240, 6)]
+    subs += [SubRequest(env.rows[0], 240, 40), SubRequest(env.rows[1], 0, 30)]
+    check_against_sglang(env, subs)
+    env = Env(window=window)
+    check_against_sglang(env, subrequests(env))
 
 
 def check_against_sglang(env: Env, subs: list[SubRequest]) -> list[Any]:
