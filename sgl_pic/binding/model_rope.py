@@ -20,6 +20,7 @@ or scaling drifts far past it and loses them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -53,28 +54,52 @@ class RopeSpec(NamedTuple):
     inv_freq: torch.Tensor | None  # [rotary_dim // 2] float32, or None
 
 
+def _rotaries_in(module: torch.nn.Module) -> list[Any]:
+    return [m for m in module.modules() if hasattr(m, "cos_sin_cache") and hasattr(m, "rotary_dim")]
+
+
+def _check_rotary(m: Any) -> None:
+    """Raises ``UnsupportedRope`` unless moving a key by d is row d of ``m``'s table."""
+    name = type(m).__name__
+    if name not in SUPPORTED_ROTARY:
+        raise UnsupportedRope(f"rotary embedding {name} is not supported by re-rotation")
+    if getattr(m, "position_start", 0):
+        raise UnsupportedRope("rotary tables that do not start at position 0")
+    if len(getattr(m, "scaling_factors", None) or ()) > 1:
+        # One table per factor, concatenated: a row index is not a position delta.
+        raise UnsupportedRope("linear RoPE scaling with several factors")
+
+
 def find_rotary(model: Any) -> Any:
     """The model's rotary module (every attention layer must share its settings)."""
-    found = [m for m in model.modules() if hasattr(m, "cos_sin_cache") and hasattr(m, "rotary_dim")]
+    found = _rotaries_in(model)
     if not found:
         raise UnsupportedRope("the model has no rotary embedding with a cos/sin table")
     first = found[0]
     for m in found:
-        name = type(m).__name__
-        if name not in SUPPORTED_ROTARY:
-            raise UnsupportedRope(f"rotary embedding {name} is not supported by re-rotation")
+        _check_rotary(m)
         if (m.rotary_dim, m.is_neox_style, m.head_size) != (
             first.rotary_dim,
             first.is_neox_style,
             first.head_size,
         ) or not torch.equal(m.cos_sin_cache, first.cos_sin_cache):
             raise UnsupportedRope("attention layers use different rotary embeddings")
-    if getattr(first, "position_start", 0):
-        raise UnsupportedRope("rotary tables that do not start at position 0")
-    if len(getattr(first, "scaling_factors", None) or ()) > 1:
-        # One table per factor, concatenated: a row index is not a position delta.
-        raise UnsupportedRope("linear RoPE scaling with several factors")
     return first
+
+
+def layer_rotaries(layers: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
+    """Each decoder layer's own rotary module, in layer order: Gemma 3's sliding-window
+    and global layers rotate by different tables (theta 10k and 1M). Every layer must hold
+    exactly one module (``UnsupportedRope`` otherwise); layers of one table share it."""
+    out = []
+    for i, layer in enumerate(layers):
+        distinct = {id(m): m for m in _rotaries_in(layer)}
+        if len(distinct) != 1:
+            raise UnsupportedRope(f"decoder layer {i} holds {len(distinct)} rotary embeddings")
+        (rotary,) = distinct.values()
+        _check_rotary(rotary)
+        out.append(rotary)
+    return tuple(out)
 
 
 # fp32's machine epsilon: SGLang builds each angle p * f in fp32 (rounded by half an ulp,
@@ -226,3 +251,28 @@ class ModelRope:
         if rest.shape[-1]:
             out = torch.cat([out, rest], dim=-1)
         return out.to(keys.dtype)
+
+
+class LayerRopes(NamedTuple):
+    """Each decoder layer's ``ModelRope`` (layers of one table share one object)."""
+
+    by_layer: tuple[ModelRope, ...]
+
+    def groups(self) -> list[tuple[ModelRope, list[int]]]:
+        """The distinct tables with the layers each rotates, in first-layer order: a
+        stacked KV is moved one table at a time."""
+        seen: dict[int, tuple[ModelRope, list[int]]] = {}
+        for layer, rope in enumerate(self.by_layer):
+            seen.setdefault(id(rope), (rope, []))[1].append(layer)
+        return list(seen.values())
+
+
+def layer_ropes(layers: Sequence[torch.nn.Module], device: torch.device | str) -> LayerRopes:
+    """Every layer's rotation (``layer_rotaries``), one ``rope_spec`` per distinct module."""
+    made: dict[int, ModelRope] = {}
+    ropes = []
+    for m in layer_rotaries(layers):
+        if id(m) not in made:
+            made[id(m)] = ModelRope(rope_spec(m, device))
+        ropes.append(made[id(m)])
+    return LayerRopes(tuple(ropes))

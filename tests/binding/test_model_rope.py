@@ -14,6 +14,7 @@ from sgl_pic.binding.model_rope import (
     UnsupportedRope,
     find_rotary,
     fits_table,
+    layer_ropes,
     plain_frequencies,
     rope_spec,
 )
@@ -202,3 +203,53 @@ def test_a_table_that_switches_frequencies_has_none() -> None:
     spec = rope_spec(rope, "cpu")
     assert spec.inv_freq is None and spec.cos_sin.shape == (16384, HEAD)
     assert plain_frequencies(spec.cos_sin[:4096]) is not None
+
+
+def gemma3_like_layers(pattern: str) -> torch.nn.ModuleList:
+    """Decoder layers as SGLang's Gemma 3 builds them: each attention holds the rotary of
+    its kind, theta 10k for a sliding layer "s", 1M for a global "g", one module per kind
+    (``get_rope`` caches them so; made here uncached, since another test casts a cached
+    module's table)."""
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+
+    kinds = {
+        kind: RotaryEmbedding(HEAD, HEAD, 8192, base, True, torch.float32)
+        for kind, base in (("s", 10000), ("g", 1_000_000))
+    }
+    layers = torch.nn.ModuleList()
+    for kind in pattern:
+        attn = torch.nn.Module()
+        attn.rotary_emb = kinds[kind]
+        layer = torch.nn.Module()
+        layer.self_attn = attn
+        layers.append(layer)
+    return layers
+
+
+def test_each_layer_moves_keys_by_its_own_table() -> None:
+    layers = gemma3_like_layers("ssgsg")
+    with pytest.raises(UnsupportedRope, match="different"):
+        find_rotary(layers)  # one table for all: refused
+    ropes = layer_ropes(layers, "cpu")
+    groups = ropes.groups()
+    assert [g[1] for g in groups] == [[0, 1, 3], [2, 4]]
+    assert groups[0][0].spec.inv_freq is not None and groups[1][0].spec.inv_freq is not None
+    assert not torch.equal(groups[0][0].spec.inv_freq, groups[1][0].spec.inv_freq)
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(N, HEADS, HEAD, generator=g)
+    old = torch.randint(0, 500, (N,), generator=g)
+    new = torch.randint(0, 4000, (N,), generator=g)
+    for layer, rope in zip(layers, ropes.by_layer, strict=True):
+        sglang = layer.self_attn.rotary_emb
+        at_old, at_new = apply(sglang, keys, old), apply(sglang, keys, new)
+        # fp32 tables: the model itself rounds angles at ~position * 6e-8.
+        torch.testing.assert_close(rope.rotate(at_old, new - old), at_new, atol=1e-3, rtol=1e-3)
+        other = next(r for r, _ in groups if r is not rope)
+        assert not torch.allclose(other.rotate(at_old, new - old), at_new, atol=1e-2)
+
+
+def test_a_layer_without_its_own_rotary_is_refused() -> None:
+    layers = gemma3_like_layers("sg")
+    layers.append(torch.nn.Linear(2, 2))
+    with pytest.raises(UnsupportedRope, match="decoder layer 2 holds 0"):
+        layer_ropes(layers, "cpu")
