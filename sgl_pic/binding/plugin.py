@@ -195,6 +195,7 @@ def build_tree_cache(ctx: Any) -> Any:
         feed_mode=settings.feed_mode,
         feed_timeout_s=settings.feed_timeout_s,
         merge_gap=settings.merge_gap,
+        read_cap=settings.read_cap(ctx.model_config, int(getattr(ctx, "tp_size", 1) or 1)),
         admission=StoreAdmission(settings.admission),
         reduce=_tp_sum if tp else None,
         sync_deletions=deleter.sync if lower is not None else None,

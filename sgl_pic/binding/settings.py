@@ -26,6 +26,7 @@ from sgl_pic.declare import (
     int_in,
     setting,
 )
+from sgl_pic.engine.kv_reads import ReadCap, read_cap
 from sgl_pic.engine.layer_feed import FEED_MODES
 from sgl_pic.engine.tenants import TenantPolicy, parse_names
 from sgl_pic.http.chat_chunks import AUTO_CHUNK_ROLES, parse_roles
@@ -120,6 +121,16 @@ class PicServerSettings:
         "exact)",
         flag="--pic-merge-gap",
         check=int_in(0, 4096),
+    )
+    phase2_read_budget: float = setting(
+        1.25,
+        "phase-2 runs of a request are merged across their smallest gaps until they read at "
+        "most this many times the KV its exact prefill reads, counted with the query tiles of "
+        "paged GPU backends (the gaps are recomputed too; the same runs on every backend; "
+        "below 1 it merges them into one); 0: no cap",
+        flag="--pic-phase2-read-budget",
+        metavar="X",
+        check=in_range(0, 1000),
     )
     max_body_mb: int = setting(
         64,
@@ -234,6 +245,14 @@ class PicServerSettings:
         if not self.namespace_device_fraction:
             return 0
         return max(1, int(self.namespace_device_fraction * capacity_tokens))
+
+    def read_cap(self, model_config: Any, tp_size: int) -> ReadCap | None:
+        """Phase 2's read cap for SGLang's ``model_config`` on one of ``tp_size`` ranks
+        (``kv_reads.ReadCap``: query heads per KV head on a rank and head_dim set its
+        tiles)."""
+        heads = max(1, int(model_config.num_attention_heads) // tp_size)
+        group = heads // max(1, int(model_config.get_num_kv_heads(tp_size)))
+        return read_cap(group, int(model_config.head_dim), self.phase2_read_budget)
 
     @property
     def has_lower_tiers(self) -> bool:

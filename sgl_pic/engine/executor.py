@@ -43,6 +43,7 @@ from sgl_pic.engine.batch import BatchContext, ChunkSpec, Plans, Stack, chunk_sp
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.forwards import HiddenSpec, PhaseForwards
 from sgl_pic.engine.kv_access import KVAccess, single_thread
+from sgl_pic.engine.kv_reads import ReadCap
 from sgl_pic.engine.layer_feed import FeedTimeout, MissingChunkError
 from sgl_pic.engine.lookup import Assemble, Lookup, Release
 from sgl_pic.engine.lower_tiers import LowerTiers
@@ -69,6 +70,7 @@ class ChunkExecutor:
     feed_mode: how lower-tier KV is loaded during phase 2 ("threaded" or "inorder").
     feed_timeout_s: longest wait for one layer of lower-tier KV (``FeedTimeout`` past it).
     merge_gap: phase-2 runs separated by at most this many tokens are merged.
+    read_cap:  the bound on each request's phase-2 KV reads (``select.bound_runs``).
     admission: whether a chunk found nowhere is stored (phase 1) or computed in context;
                None stores every one.
     reduce:    sums a device tensor over the tensor-parallel ranks, so that signals computed
@@ -102,6 +104,7 @@ class ChunkExecutor:
         feed_mode: str = "threaded",
         feed_timeout_s: float = 30.0,
         merge_gap: int = 0,
+        read_cap: ReadCap | None = None,
         admission: StoreAdmission | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         sync_deletions: Callable[[], object] | None = None,
@@ -135,7 +138,7 @@ class ChunkExecutor:
         self.assemble = Assemble(forwards)
         self.phase1 = Phase1(settings_config, forwards, self.writer, room, self.ranks)
         self.signals = signals
-        self.select = Select(forwards, signals, ratios, merge_gap)
+        self.select = Select(forwards, signals, ratios, merge_gap, read_cap)
         self.phase2 = Phase2(forwards)
         self.promote = Promote(self.promoter)
         self.release = Release(nodes, forwards)

@@ -2,8 +2,11 @@
 
 Each plan's policy chooses (``planner.select``, reading the batch's signals through
 ``signals.BatchSignals``); its positions become contiguous runs (runs separated by at
-most ``merge_gap`` tokens merged), and runs are merged further until the phase batch fits
-the attention backend's plan buffers (``fit_runs``)."""
+most ``merge_gap`` tokens merged); a request's runs are merged across their smallest gaps
+until they read at most the ``ReadCap``'s budget of KV (``bound_runs``: each run is a
+sub-request that reads its whole prefix, see ``kv_reads``), and further until the phase
+batch fits the attention backend's plan buffers (``fit_runs``). Merged gaps are
+recomputed too: a superset of the policy's positions, never fewer."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from sgl_pic.binding.phases import Run, runs_of
 from sgl_pic.engine import planner
 from sgl_pic.engine.batch import BatchContext, Plans
 from sgl_pic.engine.forwards import PhaseForwards
+from sgl_pic.engine.kv_reads import ReadCap
 from sgl_pic.engine.planner import RequestPlan
 from sgl_pic.engine.signals import BatchSignals, Signals
 
@@ -25,7 +29,10 @@ class Select:
     ``ctx.runs``.
 
     ratios: calibrated CacheTune r per tier ("device", "host", "disk"), or None.
-    merge_gap: phase-2 runs separated by at most this many tokens are merged."""
+    merge_gap: phase-2 runs separated by at most this many tokens are merged.
+    read_cap: the bound on each request's phase-2 KV reads (``bound_runs``); None: none.
+    It depends on the model and the settings only, never on the backend or the batch, so
+    the recomputed set is the same on every backend (and every tensor-parallel rank)."""
 
     def __init__(
         self,
@@ -33,11 +40,13 @@ class Select:
         signals: Signals,
         ratios: dict[str, float] | None = None,
         merge_gap: int = 0,
+        read_cap: ReadCap | None = None,
     ) -> None:
         self.forwards = forwards
         self.signals = signals
         self.ratios = ratios
         self.merge_gap = merge_gap
+        self.read_cap = read_cap
 
     def run(self, plans: Plans, ctx: BatchContext) -> None:
         signals = BatchSignals(self.signals, plans, ctx)
@@ -50,7 +59,9 @@ class Select:
                 plan.stats = plan.stats._replace(
                     selection_seconds=plan.stats.selection_seconds + ctx.probe_seconds
                 )
-            runs[b] = runs_of(sel, self.merge_gap)
+            runs[b] = bound_runs(
+                runs_of(sel, self.merge_gap), plan.prefix, plan.num_tokens, self.read_cap
+            )
         # Plain requests run as one sub-request each; later prefill pieces of requests
         # planned earlier (their runs already in ``ctx.runs``) as their runs.
         later = {b: r for b, r in ctx.runs.items() if b not in plans}
@@ -65,6 +76,56 @@ class Select:
             self.forwards.metrics,
         )
         ctx.runs.update(runs)
+
+
+def bound_runs(runs: list[Run], prefix: int, num_tokens: int, cap: ReadCap | None) -> list[Run]:
+    """``runs`` of one request (positions prefix..num_tokens-1 past its device prefix)
+    merged across their smallest gaps first (ties: the later gap, whose run reads more)
+    until ``cap`` holds (``ReadCap.holds``); unchanged when it already does or ``cap`` is
+    None. All merged, one run reads about what exact prefill reads, so the loop ends. The
+    caller brings the plan's selection and stats in line (``merged``)."""
+    if cap is None or len(runs) <= 1:
+        return runs
+    limits = cap.limits(prefix, num_tokens)
+    reads = [cap.reads(a, z - a) for a, z in runs]
+    total = [sum(col) for col in zip(*reads, strict=True)]
+    tokens, count = sum(z - a for a, z in runs), len(runs)
+    if cap.holds(total, tokens, count, limits):
+        return runs
+    # Merged runs are contiguous groups, each named by its first run (``head``).
+    head = list(range(len(runs)))
+    end = [run.end for run in runs]
+
+    def find(i: int) -> int:
+        while head[i] != i:
+            head[i] = head[head[i]]
+            i = head[i]
+        return i
+
+    gaps = sorted(range(len(runs) - 1), key=lambda i: (runs[i + 1].start - runs[i].end, -i))
+    for i in gaps:
+        left, right = find(i), i + 1  # the gap's right side is still its group's head
+        start = runs[left].start
+        joined = cap.reads(start, end[right] - start)
+        parts = zip(total, joined, reads[left], reads[right], strict=True)
+        total = [t + j - x - y for t, j, x, y in parts]
+        tokens += runs[right].start - end[left]
+        count -= 1
+        head[right], end[left], reads[left] = left, end[right], joined
+        if cap.holds(total, tokens, count, limits):
+            break
+    return [Run(runs[i].start, end[i]) for i in range(len(runs)) if find(i) == i]
+
+
+def join(runs: list[Run], gap: int) -> list[Run]:
+    """``runs`` with neighbours at most ``gap`` tokens apart made one."""
+    out: list[Run] = []
+    for run in runs:
+        if out and run.start - out[-1].end <= gap:
+            out[-1] = Run(out[-1].start, run.end)
+        else:
+            out.append(run)
+    return out
 
 
 def fit_runs(
@@ -86,9 +147,8 @@ def fit_runs(
             # the batch runs as SGLang would. A decision on the batch's shape alone, so
             # every tensor-parallel rank takes it alike.
             raise RuntimeError("the phase batch has more sub-requests than the backend plans")
-        for b, plan in plans.items():
-            assert plan.selected is not None
-            runs[b] = runs_of(plan.selected, gap)
+        for b in plans:
+            runs[b] = join(runs[b], gap)
         gap *= 2
         metrics.run_merges.inc()
     for b, plan in plans.items():

@@ -58,6 +58,15 @@ ADDED = {
         "metavar": None,
         "action": "_StoreAction",
     },
+    ("--pic-phase2-read-budget",): {
+        "option_strings": ["--pic-phase2-read-budget"],
+        "dest": "pic_phase2_read_budget",
+        "type": "float",
+        "choices": None,
+        "default": 1.25,
+        "metavar": "X",
+        "action": "_StoreAction",
+    },
 }
 
 
