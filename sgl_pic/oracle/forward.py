@@ -7,6 +7,10 @@ buffer. With every token selected this is an ordinary prefill; with a subset and
 buffer of reused KV it is DARIC's Eq. 1 / Algorithm 2 and CacheTune's selective
 recomputation: later layers of a selected token see the updated K/V of every other
 selected token at that layer, and stale reused KV elsewhere.
+
+Every layer rotates with its own RoPE table and attends within its own window
+(``ModelWeights.rope``, ``ModelWeights.window``): one table and full attention for the
+Llama family, local and global layers for Gemma 3.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from sgl_pic.oracle.weights import LayerWeights, ModelWeights
+from sgl_pic.oracle.model_weights import LayerWeights, MlpActivation, ModelWeights
 from sgl_pic.rope import apply_rope
 
 
@@ -47,10 +51,34 @@ def empty_kv(w: ModelWeights, num_tokens: int, dtype: torch.dtype) -> KVCache:
     return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,  # [..., dim]
+    weight: torch.Tensor,  # [dim]
+    eps: float,
+    unit_offset: bool = False,
+) -> torch.Tensor:
+    """RMSNorm in float32. Llama scales the result, cast back to x's dtype, by ``weight``;
+    Gemma (``unit_offset``) scales by ``1 + weight`` in float32, then casts, as each
+    family's own implementation does (they differ in a lower dtype)."""
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.to(torch.float32))).to(x.dtype)
     return weight * xf.to(x.dtype)
+
+
+def norm(w: ModelWeights, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """# x's shape: the model's RMSNorm of x # [..., dim] with ``weight`` # [dim]."""
+    return rms_norm(x, weight, w.rms_eps, w.unit_offset_norms)
+
+
+def embed_tokens(w: ModelWeights, token_ids: torch.Tensor) -> torch.Tensor:
+    """# [n, hidden] input of the first layer for token_ids # [n]."""
+    h = F.embedding(token_ids, w.embed)
+    if w.embed_scale is None:
+        return h
+    # Gemma rounds the factor to the embedding dtype before multiplying.
+    return h * torch.tensor(w.embed_scale, dtype=torch.float32).to(h.dtype)
 
 
 def project_qkv(
@@ -58,17 +86,28 @@ def project_qkv(
     layer: LayerWeights,
     h: torch.Tensor,  # [n, hidden] layer input
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pre-RoPE q # [n, H, D], k # [n, Hkv, D], v # [n, Hkv, D] (Qwen3: after the
-    per-head q/k norms, which come before RoPE, so pre-RoPE keys include them)."""
-    x = rms_norm(h, layer.input_norm, w.rms_eps)
+    """Pre-RoPE q # [n, H, D], k # [n, Hkv, D], v # [n, Hkv, D] (Qwen3, Gemma 3: after
+    the per-head q/k norms, which come before RoPE, so pre-RoPE keys include them)."""
+    x = norm(w, h, layer.input_norm)
     q = F.linear(x, layer.q_proj, layer.q_bias).view(-1, w.num_heads, w.head_dim)
     k = F.linear(x, layer.k_proj, layer.k_bias).view(-1, w.num_kv_heads, w.head_dim)
     v = F.linear(x, layer.v_proj, layer.v_bias).view(-1, w.num_kv_heads, w.head_dim)
     if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, w.rms_eps)
+        q = norm(w, q, layer.q_norm)
     if layer.k_norm is not None:
-        k = rms_norm(k, layer.k_norm, w.rms_eps)
+        k = norm(w, k, layer.k_norm)
     return q, k, v
+
+
+def layer_rope(
+    w: ModelWeights,
+    li: int,
+    x: torch.Tensor,  # [..., n, heads, D] pre-RoPE queries or keys of layer li
+    positions: torch.Tensor,  # [n]
+) -> torch.Tensor:
+    """# x's shape: x rotated to ``positions`` with layer ``li``'s own table."""
+    rope = w.rope(li)
+    return apply_rope(x, positions, rope.inv_freq, scale=rope.attention_scaling)
 
 
 def attention(
@@ -78,8 +117,10 @@ def attention(
     v: torch.Tensor,  # [N, Hkv, D]
     q_pos: torch.Tensor,  # [n] global positions of the queries
     k_pos: torch.Tensor,  # [N] global positions of the buffer slots
+    window: int | None = None,
 ) -> torch.Tensor:
-    """# [n, H * D]: each query attends to every slot at a position <= its own."""
+    """# [n, H * D]: each query attends to every slot at a position <= its own and, with a
+    ``window``, more than ``window`` positions back from it (``0 <= i - j < window``)."""
     n, group = q.shape[0], w.num_heads // w.num_kv_heads
     # Grouped-query attention without copying K/V per query head: the `group` query
     # heads sharing one KV head are stacked along the query axis.
@@ -93,12 +134,19 @@ def attention(
     block = _QUERY_BLOCK if sorted_keys else n
     for s in range(0, n, block):
         qp = q_pos[s : s + block]
-        hi = int(torch.searchsorted(k_pos, qp.max(), right=True)) if sorted_keys else k_pos.numel()
-        mask = k_pos[None, :hi] <= qp[:, None]  # [b, hi]
+        lo, hi = 0, k_pos.numel()
+        if sorted_keys:
+            hi = int(torch.searchsorted(k_pos, qp.max(), right=True))
+            if window is not None:
+                lo = int(torch.searchsorted(k_pos, qp.min() - window, right=True))
+        kp = k_pos[None, lo:hi]
+        mask = kp <= qp[:, None]  # [b, hi - lo]
+        if window is not None:
+            mask &= kp > qp[:, None] - window
         b = qp.numel()
         blk = qq[:, :, s : s + block].reshape(w.num_kv_heads, group * b, w.head_dim)
         res = F.scaled_dot_product_attention(
-            blk, kk[:, :hi], vv[:, :hi], attn_mask=mask.repeat(group, 1)
+            blk, kk[:, lo:hi], vv[:, lo:hi], attn_mask=mask.repeat(group, 1), scale=w.attn_scale
         )
         out[:, :, s : s + block] = res.view(w.num_kv_heads, group, b, w.head_dim)
     return out.permute(2, 0, 1, 3).reshape(n, -1)
@@ -107,9 +155,33 @@ def attention(
 _QUERY_BLOCK = 128
 
 
-def mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:  # x: [n, hidden]
-    gated = F.silu(F.linear(x, layer.gate_proj)) * F.linear(x, layer.up_proj)
-    return F.linear(gated, layer.down_proj)
+def mlp(
+    layer: LayerWeights,
+    x: torch.Tensor,  # [n, hidden] normalised MLP input
+    activation: MlpActivation = "silu",
+) -> torch.Tensor:
+    """# [n, hidden]: SwiGLU, or GeGLU with the tanh GELU (Gemma)."""
+    gate = F.linear(x, layer.gate_proj)
+    gate = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return F.linear(gate * F.linear(x, layer.up_proj), layer.down_proj)
+
+
+def finish_layer(
+    w: ModelWeights,
+    layer: LayerWeights,
+    h: torch.Tensor,  # [n, hidden] the layer's input (residual stream)
+    attn: torch.Tensor,  # [n, H * D] attention output, before o_proj
+) -> torch.Tensor:
+    """# [n, hidden] the layer's output: o_proj and the MLP added to the residual stream,
+    each sublayer's output normalised first where the model does (Gemma)."""
+    out = F.linear(attn, layer.o_proj, layer.o_bias)
+    if layer.attn_out_norm is not None:
+        out = norm(w, out, layer.attn_out_norm)
+    h = h + out
+    out = mlp(layer, norm(w, h, layer.post_norm), w.mlp_activation)
+    if layer.mlp_out_norm is not None:
+        out = norm(w, out, layer.mlp_out_norm)
+    return h + out
 
 
 def forward_tokens(
@@ -129,24 +201,52 @@ def forward_tokens(
     ``on_queries(layer, q)`` sees each layer's post-RoPE queries (# [n, H, D]) once the
     tokens' K/V of that layer are in ``kv``, before attention."""
     n_layers = w.num_layers if num_layers is None else num_layers
-    h = F.embedding(token_ids, w.embed)
+    h = embed_tokens(w, token_ids)
     pre: list[torch.Tensor] = []
     for li in range(n_layers):
         layer = w.layers[li]
         q, k, v = project_qkv(w, layer, h)
         if keep_pre_rope:
             pre.append(k.clone())
-        q = apply_rope(q, positions, w.inv_freq, scale=w.rope_scale)
-        k = apply_rope(k, positions, w.inv_freq, scale=w.rope_scale)
+        q, k = layer_rope(w, li, q, positions), layer_rope(w, li, k, positions)
         kv.k[li, slots] = k.to(kv.k.dtype)
         kv.v[li, slots] = v.to(kv.v.dtype)
         if on_queries is not None:
             on_queries(li, q)
-        attn = attention(w, q, kv.k[li], kv.v[li], positions, slot_positions)
-        h = h + F.linear(attn, layer.o_proj, layer.o_bias)
-        h = h + mlp(layer, rms_norm(h, layer.post_norm, w.rms_eps))
-    hidden = rms_norm(h, w.final_norm, w.rms_eps) if n_layers == w.num_layers else None
+        attn = attention(w, q, kv.k[li], kv.v[li], positions, slot_positions, w.window(li))
+        h = finish_layer(w, layer, h, attn)
+    hidden = norm(w, h, w.final_norm) if n_layers == w.num_layers else None
     return ForwardResult(h, hidden, torch.stack(pre) if keep_pre_rope and pre else None)
+
+
+def decode_step(
+    w: ModelWeights,
+    token_ids: torch.Tensor,  # [B] one new token per sequence
+    position: int,  # the new tokens' position, the same in every sequence
+    buf_k: torch.Tensor,  # [num_layers, B, L, num_kv_heads, head_dim]; slot = position
+    buf_v: torch.Tensor,  # [num_layers, B, L, num_kv_heads, head_dim]
+) -> torch.Tensor:
+    """# [B, vocab] float32 next-token logits after the new tokens, whose K/V are written
+    into the buffers at slot ``position``; slots before it must hold the sequences' KV."""
+    b, group = token_ids.numel(), w.num_heads // w.num_kv_heads
+    positions = torch.full((b,), position, dtype=torch.int64)
+    h = embed_tokens(w, token_ids)  # [B, hidden]
+    for li, layer in enumerate(w.layers):
+        q, k, v = project_qkv(w, layer, h)
+        q = layer_rope(w, li, q, positions)
+        buf_k[li, :, position] = layer_rope(w, li, k, positions)
+        buf_v[li, :, position] = v
+        window = w.window(li)
+        lo = 0 if window is None else max(0, position - window + 1)
+        # Every visible slot precedes the new token: no mask.
+        attn = F.scaled_dot_product_attention(
+            q.view(b, w.num_kv_heads, group, w.head_dim),
+            buf_k[li, :, lo : position + 1].transpose(1, 2),
+            buf_v[li, :, lo : position + 1].transpose(1, 2),
+            scale=w.attn_scale,
+        )
+        h = finish_layer(w, layer, h, attn.reshape(b, -1))
+    return logits_of(w, norm(w, h, w.final_norm))
 
 
 def logits_of(w: ModelWeights, hidden: torch.Tensor) -> torch.Tensor:

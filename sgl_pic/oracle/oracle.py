@@ -12,20 +12,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from sgl_pic.layout import PromptLayout
 from sgl_pic.oracle.forward import (
     KVCache,
+    decode_step,
     empty_kv,
     forward_tokens,
+    layer_rope,
     logits_of,
-    mlp,
     project_qkv,
-    rms_norm,
 )
-from sgl_pic.oracle.weights import ModelWeights, load_hf_model, weights_from_hf
-from sgl_pic.rope import apply_rope, rerotate
+from sgl_pic.oracle.model_weights import ModelWeights
+from sgl_pic.oracle.weights import load_hf_model, weights_from_hf
+from sgl_pic.rope import rerotate
 from sgl_pic.selection.base import (
     Selection,
     SelectionContext,
@@ -59,7 +59,7 @@ class ReuseResult(NamedTuple):
 
 
 class Oracle:
-    """Plain-torch reference over a Llama-family model's weights."""
+    """Plain-torch reference over a supported model's weights (``weights_from_hf``)."""
 
     def __init__(self, weights: ModelWeights, kv_dtype: torch.dtype = torch.float32) -> None:
         self.w = weights
@@ -122,8 +122,9 @@ class Oracle:
     ) -> KVCache:
         """The request's own KV buffer: each chunk's KV placed at its span, keys moved
         to their new positions (re-rotation of post-RoPE keys, or RoPE applied to
-        stored pre-RoPE keys when ``deferred_rope``). Fresh slots are zero; they
-        must be computed. Raises if a chunk's tokens differ from the prompt's."""
+        stored pre-RoPE keys when ``deferred_rope``), each layer's with its own RoPE
+        table. Fresh slots are zero; they must be computed. Raises if a chunk's tokens
+        differ from the prompt's."""
         if len(chunks) != len(layout.chunks):
             raise ValueError(f"{len(chunks)} chunk KVs for {len(layout.chunks)} chunk spans")
         if token_ids.numel() != layout.num_tokens:
@@ -133,17 +134,26 @@ class Oracle:
             if not torch.equal(chunk.token_ids, token_ids[span.start : span.end]):
                 raise ValueError(f"chunk {i}'s cached tokens differ from the prompt's span")
             new_pos = torch.arange(span.start, span.end)
+            old_pos = torch.arange(chunk.base_position, chunk.base_position + span.length)
             for li in range(self.w.num_layers):
                 if deferred_rope:
-                    k = apply_rope(
-                        chunk.pre_rope_k[li], new_pos, self.w.inv_freq, scale=self.w.rope_scale
-                    )
+                    k = layer_rope(self.w, li, chunk.pre_rope_k[li], new_pos)
                 else:
-                    old_pos = torch.arange(chunk.base_position, chunk.base_position + span.length)
-                    k = rerotate(chunk.kv.k[li], old_pos, new_pos, self.w.inv_freq)
+                    k = self.move_keys(li, chunk.kv.k[li], old_pos, new_pos)
                 kv.k[li, span.start : span.end] = k.to(self.kv_dtype)
             kv.v[:, span.start : span.end] = chunk.kv.v
         return kv
+
+    def move_keys(
+        self,
+        layer: int,
+        k: torch.Tensor,  # [n, num_kv_heads, head_dim] layer's post-RoPE keys at old_pos
+        old_pos: torch.Tensor,  # [n]
+        new_pos: torch.Tensor,  # [n]
+    ) -> torch.Tensor:
+        """# k's shape: ``layer``'s keys re-rotated to ``new_pos`` with that layer's own
+        RoPE table (Gemma 3's local and global layers differ); ``k`` is not modified."""
+        return rerotate(k, old_pos, new_pos, self.w.rope(layer).inv_freq)
 
     @torch.inference_mode()
     def first_layer_deviation(
@@ -160,7 +170,7 @@ class Oracle:
         pos = torch.arange(n)
         out = forward_tokens(self.w, token_ids, pos, pos, work, pos, num_layers=1)
         _, k, v = project_qkv(self.w, self.w.layers[1], out.residual)
-        k = apply_rope(k, pos, self.w.inv_freq, scale=self.w.rope_scale)
+        k = layer_rope(self.w, 1, k, pos)
         dev = (k - assembled.k[1].to(k.dtype)).flatten(1).norm(dim=1) + (
             v - assembled.v[1].to(v.dtype)
         ).flatten(1).norm(dim=1)
@@ -179,7 +189,9 @@ class Oracle:
         """The query-aware signal, # [N]: the fresh tokens (and the last one) past the
         prefix run the first ``num_layers`` layers over a copy of ``assembled``; the
         question's queries (``query_positions``) score every slot at each of those layers
-        (``question_attention``), summed over them."""
+        (``question_attention``, with the model's attention scale), summed over them. The
+        scoring sees every earlier slot, past a local layer's window too: it ranks tokens,
+        it is not that layer's attention output."""
         n = token_ids.numel()
         fresh = torch.tensor(layout.fresh_indices() + [n - 1], dtype=torch.int64)
         idx = torch.unique(fresh[fresh >= prefix_hit])
@@ -190,7 +202,7 @@ class Oracle:
         layers = min(num_layers, self.w.num_layers)
 
         def score(layer: int, q: torch.Tensor) -> None:  # q: [len(idx), H, D]
-            total.add_(question_attention(q[rows], work.k[layer], queries))
+            total.add_(question_attention(q[rows], work.k[layer], queries, scale=self.w.attn_scale))
 
         forward_tokens(
             self.w,
@@ -269,30 +281,13 @@ class Oracle:
         for i, kv in enumerate(kvs):
             buf_k[:, i, :n] = kv.k
             buf_v[:, i, :n] = kv.v
-        group = w.num_heads // w.num_kv_heads
         out = torch.empty((b, max_new_tokens), dtype=torch.int64)
         logits = first_logits
         for step in range(max_new_tokens):
             out[:, step] = torch.argmax(logits, dim=-1)
             if step == max_new_tokens - 1:
                 break
-            pos = n + step
-            positions = torch.full((b,), pos, dtype=torch.int64)
-            h = F.embedding(out[:, step], w.embed)  # [B, hidden]
-            for li, layer in enumerate(w.layers):
-                q, k, v = project_qkv(w, layer, h)
-                q = apply_rope(q, positions, w.inv_freq, scale=w.rope_scale)
-                buf_k[li, :, pos] = apply_rope(k, positions, w.inv_freq, scale=w.rope_scale)
-                buf_v[li, :, pos] = v
-                # Every cached slot precedes the new token: no mask.
-                attn = F.scaled_dot_product_attention(
-                    q.view(b, w.num_kv_heads, group, w.head_dim),
-                    buf_k[li, :, : pos + 1].transpose(1, 2),
-                    buf_v[li, :, : pos + 1].transpose(1, 2),
-                )
-                h = h + F.linear(attn.reshape(b, -1), layer.o_proj, layer.o_bias)
-                h = h + mlp(layer, rms_norm(h, layer.post_norm, w.rms_eps))
-            logits = logits_of(w, rms_norm(h, w.final_norm, w.rms_eps))
+            logits = decode_step(w, out[:, step], n + step, buf_k, buf_v)
         return out
 
     def generate(

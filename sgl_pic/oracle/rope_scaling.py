@@ -28,11 +28,16 @@ class RopeFrequencies(NamedTuple):
     rotary_dim: int  # head dims rotated (the rest, if any, pass through)
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's RoPE settings as one dict with ``rope_type`` and ``rope_theta``:
     transformers 5 keeps them in ``rope_parameters``; older configs split them into
-    ``rope_theta`` and an optional ``rope_scaling`` dict."""
+    ``rope_theta`` and an optional ``rope_scaling`` dict. Models with a table per kind of
+    layer (Gemma 3) nest them by layer type: ``layer_type`` picks one."""
     params = getattr(config, "rope_parameters", None)
+    if layer_type is not None:
+        if not params or not isinstance(params.get(layer_type), dict):
+            raise ValueError(f"the config has no RoPE parameters for {layer_type!r} layers")
+        params = params[layer_type]
     if params:
         out = dict(params)
     else:
@@ -42,10 +47,11 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return out
 
 
-def rope_frequencies(config: Any) -> RopeFrequencies:
+def rope_frequencies(config: Any, layer_type: str | None = None) -> RopeFrequencies:
     """inv_freq and attention scaling of ``config`` (a HF ``PretrainedConfig`` or any
-    object with its attributes). Raises NotImplementedError for unsupported RoPE types."""
-    p = rope_parameters(config)
+    object with its attributes), of its ``layer_type`` layers where the config nests them
+    by type. Raises NotImplementedError for unsupported RoPE types."""
+    p = rope_parameters(config, layer_type)
     kind = p["rope_type"]
     if kind not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(
@@ -65,6 +71,28 @@ def rope_frequencies(config: Any) -> RopeFrequencies:
     elif kind == "llama3":
         inv_freq = _llama3(p, inv_freq)
     return RopeFrequencies(inv_freq, 1.0, dim)
+
+
+def check_model_rope(
+    theirs_inv_freq: torch.Tensor | None,  # [rotary_dim // 2] the model's own, if it keeps one
+    theirs_scaling: float,
+    ours: RopeFrequencies,
+) -> None:
+    """The frequencies computed from the config must be the ones the HF model rotates
+    with: a RoPE variant or option the formulas here miss fails loudly, not silently.
+    Raises ValueError; a model that keeps no frequency buffer is not checked."""
+    if theirs_inv_freq is None:
+        return
+    theirs = theirs_inv_freq.detach().to(torch.float32)
+    if theirs.shape != ours.inv_freq.shape or not torch.allclose(
+        theirs, ours.inv_freq, rtol=1e-6, atol=0
+    ):
+        raise ValueError("RoPE frequencies from the config differ from the model's own")
+    if abs(float(theirs_scaling) - ours.attention_scaling) > 1e-6:
+        raise ValueError(
+            f"RoPE attention scaling {ours.attention_scaling} differs from the model's "
+            f"{float(theirs_scaling)}"
+        )
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:

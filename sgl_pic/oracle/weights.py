@@ -1,62 +1,26 @@
-"""Decoder weights of a Llama-family model as plain tensors, read from a HF model.
+"""Decoder weights of a supported model as plain tensors, read from a HF model.
 
 Llama, Mistral, Qwen2 and Qwen3 share one block: RMSNorm, grouped-query attention with
 RoPE, RMSNorm, SwiGLU MLP. Qwen2 adds q/k/v biases (and ``attention_bias`` configs of the
 others biases on q/k/v/o); Qwen3 normalises each head of q and k (RMSNorm over the head
 dim) before RoPE. RoPE frequencies and scaling come from the config (``rope_scaling``).
+Gemma 3 (text) has a block of its own, read by ``gemma3.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from sgl_pic.oracle.rope_scaling import rope_frequencies
+from sgl_pic.oracle.gemma3 import GEMMA3_MODEL_TYPE, gemma3_weights
+from sgl_pic.oracle.model_weights import LayerWeights, ModelWeights
+from sgl_pic.oracle.rope_scaling import check_model_rope, rope_frequencies
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, GEMMA3_MODEL_TYPE)
 
-
-@dataclass(frozen=True)
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    q_proj: torch.Tensor  # [num_heads * head_dim, hidden]
-    k_proj: torch.Tensor  # [num_kv_heads * head_dim, hidden]
-    v_proj: torch.Tensor  # [num_kv_heads * head_dim, hidden]
-    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
-    q_bias: torch.Tensor | None  # [num_heads * head_dim]
-    k_bias: torch.Tensor | None  # [num_kv_heads * head_dim]
-    v_bias: torch.Tensor | None  # [num_kv_heads * head_dim]
-    o_bias: torch.Tensor | None  # [hidden]
-    q_norm: torch.Tensor | None  # [head_dim] Qwen3's per-head RMSNorm of q
-    k_norm: torch.Tensor | None  # [head_dim] ... and of k
-    post_norm: torch.Tensor  # [hidden]
-    gate_proj: torch.Tensor  # [intermediate, hidden]
-    up_proj: torch.Tensor  # [intermediate, hidden]
-    down_proj: torch.Tensor  # [hidden, intermediate]
-
-
-@dataclass(frozen=True)
-class ModelWeights:
-    """Everything the oracle's forward needs; tensors are shared with the HF model and
-    must not be modified."""
-
-    model_type: str
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_eps: float
-    inv_freq: torch.Tensor  # [head_dim // 2] float32, after any RoPE scaling
-    rope_scale: float  # factor on cos and sin (YaRN's mscale; 1.0 otherwise)
-    embed: torch.Tensor  # [vocab, hidden]
-    layers: tuple[LayerWeights, ...]
-    final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
+__all__ = ["LayerWeights", "ModelWeights", "load_hf_model", "weights_from_hf"]
 
 
 def weights_from_hf(model: torch.nn.Module) -> ModelWeights:
@@ -67,6 +31,8 @@ def weights_from_hf(model: torch.nn.Module) -> ModelWeights:
             f"model type {cfg.model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if cfg.model_type == GEMMA3_MODEL_TYPE:
+        return gemma3_weights(model)
     base = model.model
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = rope_frequencies(cfg)
@@ -75,7 +41,10 @@ def weights_from_hf(model: torch.nn.Module) -> ModelWeights:
             f"partial rotary embedding (rotary dim {rope.rotary_dim}, head dim {head_dim}) "
             "is not supported"
         )
-    _check_against_model_rope(base.rotary_emb, rope.inv_freq, rope.attention_scaling)
+    rotary = base.rotary_emb
+    check_model_rope(
+        getattr(rotary, "inv_freq", None), getattr(rotary, "attention_scaling", 1.0), rope
+    )
     layers = []
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -122,24 +91,6 @@ def _bias(lin: torch.nn.Linear) -> torch.Tensor | None:
 
 def _mlp_linears(mlp: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     return (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-
-
-def _check_against_model_rope(
-    rotary: torch.nn.Module, inv_freq: torch.Tensor, scaling: float
-) -> None:
-    """The frequencies computed from the config must be the ones the HF model rotates
-    with: a RoPE variant or option the formulas here miss fails loudly, not silently."""
-    theirs = getattr(rotary, "inv_freq", None)
-    if theirs is None:
-        return
-    theirs = theirs.detach().to(torch.float32)
-    if theirs.shape != inv_freq.shape or not torch.allclose(theirs, inv_freq, rtol=1e-6, atol=0):
-        raise ValueError("RoPE frequencies from the config differ from the model's own")
-    theirs_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-    if abs(theirs_scaling - scaling) > 1e-6:
-        raise ValueError(
-            f"RoPE attention scaling {scaling} differs from the model's {theirs_scaling}"
-        )
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
