@@ -76,8 +76,8 @@ DECODE_PROMPT = "Write a very long story about a lighthouse keeper and the sea, 
 class Passages:
     """MuSiQue passages in order, each handed out once (a cold chunk every time)."""
 
-    def __init__(self, data: Path, tokenizer: Any, passage_tokens: int) -> None:
-        from sgl_pic.prompts import load_rag_examples, truncate_tokens
+    def __init__(self, data: Path, passage_tokens: int) -> None:
+        from sgl_pic.prompts import load_rag_examples
 
         seen: set[str] = set()
         self.texts: list[str] = []
@@ -87,22 +87,24 @@ class Passages:
             for p in ex.passages:
                 if p not in seen:
                     seen.add(p)
-                    self.texts.append(truncate_tokens(tokenizer, p, passage_tokens))
+                    self.texts.append(p)
+        self.passage_tokens = passage_tokens
         self.next = 0
 
     def prompt(self, tokenizer: Any, tokens: int) -> tuple[list[int], list[list[int]]]:
         """Token ids and chunk spans of a prompt of at most ``tokens`` tokens, as many
         unused passages as fit."""
-        from sgl_pic.prompts import build_prompt
+        from sgl_pic.prompts import build_prompt, truncate_tokens
 
         question = self.questions[self.next % len(self.questions)]
         taken: list[str] = []
         best = None
         while self.next < len(self.texts):
-            trial = build_prompt(tokenizer, [*taken, self.texts[self.next]], question)
+            text = truncate_tokens(tokenizer, self.texts[self.next], self.passage_tokens)
+            trial = build_prompt(tokenizer, [*taken, text], question)
             if trial.layout.num_tokens > tokens:
                 break
-            taken.append(self.texts[self.next])
+            taken.append(text)
             self.next += 1
             best = trial
         if best is None:
@@ -267,7 +269,7 @@ def main() -> None:
     reps = 1 if args.quick else args.repetitions
     commit, dirty = git_state()
     tok = embedded_tokenizer()
-    passages = Passages(args.data, tok, args.passage_tokens)
+    passages = Passages(args.data, args.passage_tokens)
     roots = {"this": ROOT}
     if args.ref_root is not None:
         roots["ref"] = args.ref_root.resolve()
