@@ -24,7 +24,41 @@ import torch
 
 from sgl_pic.binding.attention import ProbeDone
 from sgl_pic.binding.phases import to_device
+from sgl_pic.engine.kv_access import STAGING_BYTES
 from sgl_pic.selection.query_aware import question_attention
+
+# Float32 tensors of one tile's logits ``question_attention`` holds at once per key and
+# row (the logits, their exponentials, the normalised weights).
+LOGIT_COPIES = 3
+
+
+class PoolKeys:
+    """One layer's keys at ``slots`` (# [num_keys]), gathered from the pool a tile at a
+    time as ``question_attention`` reads them (its ``KeyRows``): only a tile's keys are
+    copied out at once, not the whole prompt's."""
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] the pool's layer
+        slots: torch.Tensor,  # [num_keys] on its device, checked by the caller
+    ) -> None:
+        self.buffer = buffer
+        self.slots = slots
+        self.shape = torch.Size((slots.numel(), *buffer.shape[1:]))
+        self.device = buffer.device
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        """# [rows, num_kv_heads, head_dim]"""
+        # index_select: whole rows, faster than the generic gather (``attention``).
+        return self.buffer.index_select(0, self.slots[rows])
+
+
+def probe_tile(rows: int, key_row_bytes: int, staging_bytes: int) -> int:
+    """Keys ``question_attention`` scores at once so that a tile's float32 logits for
+    ``rows`` query heads x queries and its gathered keys (``key_row_bytes`` each, plus
+    their float32 copy) stay within ``staging_bytes``; one key at least."""
+    per_key = LOGIT_COPIES * 4 * rows + key_row_bytes * 2
+    return max(1, staging_bytes // per_key)
 
 
 class QueryProbe:
@@ -37,7 +71,9 @@ class QueryProbe:
                   per layer, a host copy would block and a device read would sync.
     layers:       decoder layers scored (0..layers-1).
     reduce:       sums a tensor over tensor-parallel ranks (each rank holds its own heads);
-                  identity on one rank."""
+                  identity on one rank.
+    staging_bytes: most a layer's scoring copies out at once (``probe_tile``): the keys
+                  and logits of a tile of the prompt, however long the prompt."""
 
     def __init__(
         self,
@@ -47,6 +83,7 @@ class QueryProbe:
         query_pos: torch.Tensor,
         layers: int,
         reduce: Any = None,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         device = pool.get_key_buffer(0).device
         self.pool = pool
@@ -57,6 +94,7 @@ class QueryProbe:
         self.query_rows, self.query_pos = to_device(host, device).split([nq, nq])
         self.layers = layers
         self.reduce = reduce
+        self.staging_bytes = staging_bytes
         self._total = torch.zeros(key_slots.numel(), device=device)
         self._seen: set[int] = set()
 
@@ -72,10 +110,11 @@ class QueryProbe:
             raise RuntimeError(f"layer {layer}'s attention was called without queries")
         heads, dim = module.tp_q_head_num, module.qk_head_dim
         qs = q.reshape(q.shape[0], heads, dim)[self.query_rows]
-        # index_select: whole rows, faster than the generic gather (``attention``).
-        keys = self.pool.get_key_buffer(module.layer_id).index_select(0, self.key_slots)
+        keys = PoolKeys(self.pool.get_key_buffer(module.layer_id), self.key_slots)
+        key_row = keys.buffer[0].numel() * keys.buffer.element_size()
+        tile = probe_tile(heads * qs.shape[0], key_row, self.staging_bytes)
         self._total += question_attention(
-            qs, keys, self.query_pos, module.scaling, first_pos=self.first_pos
+            qs, keys, self.query_pos, module.scaling, first_pos=self.first_pos, tile=tile
         )
         self._seen.add(layer)
 

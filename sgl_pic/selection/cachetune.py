@@ -23,6 +23,13 @@ the tokens and would move energy across frequency bins.)
 
 With alpha = 1 every bin is kept and the filter is skipped, so the ranking equals the
 one of step 3-5 applied to the plain K/V norms (the paper notes the reduction).
+
+Steps 1-3 are one filter per column (a layer's head and channel: the low pass is the
+orthogonal projection of its N values onto the kept bins) and a sum of squares over
+columns, so the columns can be taken in slabs (``slabs``, ``LowPassEnergy``): a long
+chunk is ranked holding one slab of columns at a time, plus # [2, num_layers, N] of
+per-token energy, never the whole chunk's K and V; the ranking is the same up to float
+rounding (phase 1 ranks from the pool so, ``engine.chunk_store``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +56,7 @@ def cachetune_ranking(
     v: torch.Tensor,
     alpha: float,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    slab_elements: int | None = None,
 ) -> torch.Tensor:
     """Per-token recompute priority of one chunk (# [num_tokens] float32).
 
@@ -57,6 +66,8 @@ def cachetune_ranking(
     reduce: sums a tensor over tensor-parallel ranks, each of which holds some of the
         heads; with it every rank computes the ranking of all heads, so that all ranks
         select the same tokens (None: this rank holds every head).
+    slab_elements: most elements of ``k`` or ``v`` filtered at once (``slabs``);
+        None: all of them. The ranking is the same up to float rounding either way.
     """
     if k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -68,22 +79,95 @@ def cachetune_ranking(
             f"k and v disagree on [num_layers, num_tokens]: {tuple(k.shape[:2])} vs "
             f"{tuple(v.shape[:2])}"
         )
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
     num_layers, num_tokens = k.shape[:2]
-    if num_layers == 0 or num_tokens == 0:
-        raise ValueError(f"k and v need at least one layer and one token, got {tuple(k.shape)}")
+    energy = LowPassEnergy(num_layers, num_tokens, alpha, k.device, k.dtype)
+    for which, x in enumerate((k, v)):
+        flat = x.reshape(num_layers, num_tokens, -1)
+        budget = flat.numel() if slab_elements is None else slab_elements
+        for s in slabs(num_layers, flat.shape[2], num_tokens, budget):
+            energy.add(which, s.layer, flat[s.layer : s.layer_end, :, s.start : s.end])
+    return energy.ranking(reduce)
 
-    if reduce is None:
-        magnitude = _low_pass_magnitude(k, alpha) + _low_pass_magnitude(v, alpha)  # [L, N]
-    else:
-        # The norm over heads x dims is the root of a sum over heads: sum the squares over
-        # the ranks' heads first.
-        magnitude = (
-            reduce(_low_pass(k, alpha).square().sum(dim=2)).sqrt()
-            + reduce(_low_pass(v, alpha).square().sum(dim=2)).sqrt()
-        )
-    return _standardise(magnitude).mean(dim=0).to(torch.float32)
+
+class Slab(NamedTuple):
+    """Layers [layer, layer_end) and units [start, end) of one slab (``slabs``)."""
+
+    layer: int
+    layer_end: int
+    start: int
+    end: int
+
+
+def slabs(num_layers: int, width: int, unit: int, budget: int) -> list[Slab]:
+    """Slabs covering every (layer, unit) of a chunk, ``width`` units per layer of ``unit``
+    elements (or bytes) each, at most ``budget`` per slab: all layers at once while they
+    fit, else blocks of whole layers, else one layer in blocks of units (one at least,
+    whatever the budget). A unit: every token of one column, for a ranking; one row of
+    a layer, for a copy."""
+    layer_size = width * unit
+    if layer_size * num_layers <= budget:
+        return [Slab(0, num_layers, 0, width)]
+    if layer_size <= budget:
+        step = budget // layer_size
+        return [Slab(at, min(at + step, num_layers), 0, width) for at in range(0, num_layers, step)]
+    step = max(1, budget // unit)
+    return [
+        Slab(layer, layer + 1, at, min(at + step, width))
+        for layer in range(num_layers)
+        for at in range(0, width, step)
+    ]
+
+
+class LowPassEnergy:
+    """A chunk's ranking built slab by slab: each slab of K or V columns (every token of
+    some channels in some layers) is low-passed along the tokens on its own (the filter
+    is one per column) and its squares are summed into the per-token energy of its layers,
+    # [2, num_layers, num_tokens]; ``ranking`` then takes the roots, z-scores and layer
+    mean of ``cachetune_ranking``. That energy is the only state kept across slabs, so the
+    largest temporary is a slab's (with its spectrum), however long the chunk."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_tokens: int,
+        alpha: float,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if num_layers == 0 or num_tokens == 0:
+            raise ValueError(
+                "k and v need at least one layer and one token, got "
+                f"{num_layers} layers and {num_tokens} tokens"
+            )
+        self.alpha = alpha
+        self.num_tokens = num_tokens
+        # FFTs of half precision are limited on CPU and lossy; float64 stays float64.
+        self.dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.energy = torch.zeros(2, num_layers, num_tokens, dtype=self.dtype, device=device)
+
+    def add(
+        self,
+        which: int,
+        layer: int,
+        columns: torch.Tensor,  # [layers, num_tokens, num_columns] of K (0) or V (1)
+    ) -> None:
+        """Adds the low-passed squares of ``columns`` (layers layer.. of ``which``)."""
+        if columns.shape[1] != self.num_tokens:
+            raise ValueError(f"{columns.shape[1]} tokens in a slab of {self.num_tokens}")
+        low = _low_pass_flat(columns.to(self.dtype), self.alpha)
+        self.energy[which, layer : layer + columns.shape[0]] += low.square().sum(dim=2)
+
+    def ranking(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """# [num_tokens] float32 once every column was added; ``reduce`` as in
+        ``cachetune_ranking``: the norm over heads x dims is the root of a sum over heads,
+        so the squares are summed over the ranks first (K's, then V's)."""
+        k_energy, v_energy = self.energy[0], self.energy[1]
+        if reduce is not None:
+            k_energy, v_energy = reduce(k_energy), reduce(v_energy)
+        magnitude = k_energy.sqrt() + v_energy.sqrt()  # [L, N]
+        return _standardise(magnitude).mean(dim=0).to(torch.float32)
 
 
 def ranking_recipe(alpha: float) -> str:
@@ -153,12 +237,17 @@ def _low_pass(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """
     # FFTs of half precision are limited on CPU and lossy; float64 stays float64.
     work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    num_layers, num_tokens = work.shape[:2]
+    return _low_pass_flat(work.reshape(*work.shape[:2], -1), alpha)
+
+
+def _low_pass_flat(flat: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The low-frequency part of every column of ``flat`` along the tokens
+    (# [num_layers, num_tokens, num_columns], float32 or float64 as ``flat``)."""
+    num_tokens = flat.shape[1]
     num_bins = num_tokens // 2 + 1
     keep = max(1, math.ceil(alpha * num_bins - 1e-9))
-    flat = work.reshape(num_layers, num_tokens, -1)
     if keep < num_bins and num_tokens <= _PROJECTION_MAX_TOKENS:
-        basis = _low_frequency_basis(num_tokens, keep, work.dtype, str(work.device))
+        basis = _low_frequency_basis(num_tokens, keep, flat.dtype, str(flat.device))
         flat = torch.matmul(basis, torch.matmul(basis.T, flat))
     elif keep < num_bins:
         spectrum = torch.fft.rfft(flat, dim=1)

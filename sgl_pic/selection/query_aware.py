@@ -33,6 +33,7 @@ index.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -100,12 +101,26 @@ def query_positions(layout: PromptLayout, prefix_hit: int = 0) -> torch.Tensor:
     return tail
 
 
+class KeyRows(Protocol):
+    """Keys read on demand, # [num_keys, num_kv_heads, head_dim] (a tensor is one): a
+    slice is the keys of those positions, e.g. gathered from a KV pool tile by tile."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def __getitem__(self, rows: slice) -> torch.Tensor: ...
+
+
 def question_attention(
     q: torch.Tensor,  # [num_queries, num_heads, head_dim] post-RoPE queries
-    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim] post-RoPE keys, key j at position j
+    k: torch.Tensor | KeyRows,  # [num_keys, num_kv_heads, head_dim] post-RoPE, key j at j
     q_pos: torch.Tensor,  # [num_queries] int64 positions of the queries
     scale: float | None = None,
     first_pos: int | None = None,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """# [num_keys] float32: softmax attention of each query head to each key (a query sees
     positions <= its own), summed over heads and queries. Sums, not means, so a tensor-
@@ -113,22 +128,63 @@ def question_attention(
 
     ``first_pos`` is ``q_pos``'s least value, known on the host: a caller that keeps
     ``q_pos`` on ``k``'s device passes it, so that neither that read nor a copy of
-    ``q_pos`` waits for the device (a host ``q_pos`` is copied, blocking)."""
+    ``q_pos`` waits for the device (a host ``q_pos`` is copied, blocking).
+
+    ``tile``: most keys scored at once (None: all). With more keys than that, the float32
+    logits are # [num_kv_heads, group * num_queries, tile] at most, not one row per key:
+    a first pass over the tiles finds each row's softmax maximum and normaliser, a second
+    sums the normalised weights (each tile's logits computed twice, the same up to float
+    rounding as one softmax). With fewer, one softmax as ever, bit for bit."""
     nq, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    num_keys, kv_heads = k.shape[0], k.shape[1]
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     # One batched matmul per KV head (GQA groups folded into rows): the probe runs this on
     # every probed layer of every request, inside the selection's share of TTFT.
     qq = (q.to(torch.float32) * scale).reshape(nq, kv_heads, group, dim)
     qq = qq.permute(1, 2, 0, 3).reshape(kv_heads, group * nq, dim)
-    logits = torch.bmm(qq, k.to(torch.float32).permute(1, 2, 0))  # [Hkv, g * nq, N]
     if first_pos is None and nq:
         first_pos = int(q_pos.min())
     # Only keys after the earliest query can be hidden from some query: mask that tail.
-    first = first_pos + 1 if nq and first_pos is not None else k.shape[0]
-    if first < k.shape[0]:
-        tail = torch.arange(first, k.shape[0], device=k.device)
-        hidden = tail[None, :] > q_pos.to(k.device).repeat(group)[:, None]
-        logits[:, :, first:].masked_fill_(hidden, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    first = first_pos + 1 if nq and first_pos is not None else num_keys
+    row_pos = q_pos.to(k.device).repeat(group) if first < num_keys else None
+    if tile is None or num_keys <= tile or nq == 0:
+        logits = _masked_logits(qq, k, 0, num_keys, first, row_pos)  # [Hkv, g * nq, N]
+        return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    # The first tile holds key 0, which every query sees: each row's maximum is finite
+    # from there on, and keys hidden later weigh exp(-inf) = 0.
+    most = total = torch.empty(0)
+    for at in range(0, num_keys, tile):
+        logits = _masked_logits(qq, k, at, min(at + tile, num_keys), first, row_pos)
+        peak = logits.amax(dim=-1, keepdim=True)  # [Hkv, g * nq, 1]
+        if at == 0:
+            most, total = peak, torch.exp(logits - peak).sum(dim=-1, keepdim=True)
+            continue
+        new = torch.maximum(most, peak)
+        total = total * torch.exp(most - new) + torch.exp(logits - new).sum(dim=-1, keepdim=True)
+        most = new
+    out = torch.empty(num_keys, dtype=torch.float32, device=qq.device)
+    for at in range(0, num_keys, tile):
+        end = min(at + tile, num_keys)
+        logits = _masked_logits(qq, k, at, end, first, row_pos)
+        out[at:end] = (torch.exp(logits - most) / total).sum(dim=(0, 1))
+    return out
+
+
+def _masked_logits(
+    qq: torch.Tensor,  # [num_kv_heads, group * num_queries, head_dim] scaled float32 queries
+    k: torch.Tensor | KeyRows,  # [num_keys, num_kv_heads, head_dim]
+    start: int,
+    end: int,
+    first: int,  # keys from here on may be hidden from some query
+    row_pos: torch.Tensor | None,  # [group * num_queries] each row's query position
+) -> torch.Tensor:
+    """# [num_kv_heads, group * num_queries, end - start] float32 logits of keys
+    [start, end), -inf where a key lies past its row's query."""
+    logits = torch.bmm(qq, k[start:end].to(torch.float32).permute(1, 2, 0))
+    if row_pos is not None and end > first:
+        at = max(start, first)
+        tail = torch.arange(at, end, device=qq.device)
+        hidden = tail[None, :] > row_pos[:, None]
+        logits[:, :, at - start :].masked_fill_(hidden, float("-inf"))
+    return logits

@@ -6,7 +6,7 @@ import torch
 from sgl_pic.config import PicConfig
 from sgl_pic.layout import PromptLayout
 from sgl_pic.selection import SelectionContext, cachetune_ranking, make_policy
-from sgl_pic.selection.cachetune import _low_pass_magnitude
+from sgl_pic.selection.cachetune import Slab, _low_pass_magnitude, slabs
 
 
 def _kv(layers: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,3 +165,55 @@ def test_policy_uses_cachetune_ranking_end_to_end() -> None:
     got = _select(rankings)
     assert len([i for i in got if i < 10]) == 2
     assert len([i for i in got if 12 <= i < 32]) == 3
+
+
+def _one_shot_ranking(k: torch.Tensor, v: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The ranking as one pass over the whole chunk computes it (the reference of the
+    slabbed one): every layer's K and V low-passed at once, L2 norms over heads x dims,
+    per-layer z-scores, mean over layers."""
+    num_layers, num_tokens = k.shape[:2]
+    keep = max(1, math.ceil(alpha * (num_tokens // 2 + 1) - 1e-9))
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x.double().reshape(num_layers, num_tokens, -1), dim=1)
+        spectrum[:, keep:] = 0
+        return torch.fft.irfft(spectrum, n=num_tokens, dim=1).norm(dim=2)
+
+    magnitude = norm(k) + norm(v)
+    mean = magnitude.mean(dim=1, keepdim=True)
+    std = magnitude.std(dim=1, correction=0, keepdim=True)
+    return ((magnitude - mean) / std).mean(dim=0).float()
+
+
+@pytest.mark.parametrize("tokens", [40, 700])  # the projection and the FFT filter
+@pytest.mark.parametrize("slab_elements", [None, 10**6, 3 * 700 * 16, 700 * 5, 1])
+def test_the_slabbed_ranking_equals_the_one_shot_ranking(
+    tokens: int, slab_elements: int | None
+) -> None:
+    """Slabs of whole layers, of columns of one layer, one column at a time: the same
+    ranking up to float rounding, and the same top tokens."""
+    g = torch.Generator().manual_seed(tokens)
+    k = torch.randn(3, tokens, 2, 8, generator=g) * torch.rand(3, tokens, 1, 1, generator=g)
+    v = torch.randn(3, tokens, 2, 8, generator=g)
+    want = _one_shot_ranking(k, v, 0.3)
+    got = cachetune_ranking(k, v, 0.3, slab_elements=slab_elements)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    count = tokens // 5
+    assert set(_order(got)[:count]) == set(_order(want)[:count])
+
+
+def test_slabs_cover_every_layer_and_unit_once_within_the_budget() -> None:
+    for num_layers, width, unit, budget in [(3, 16, 40, 10**6), (3, 16, 40, 700), (3, 16, 40, 90)]:
+        cells = [
+            (layer, u)
+            for s in slabs(num_layers, width, unit, budget)
+            for layer in range(s.layer, s.layer_end)
+            for u in range(s.start, s.end)
+        ]
+        assert sorted(cells) == [(i, u) for i in range(num_layers) for u in range(width)]
+        sizes = [
+            (s.layer_end - s.layer) * (s.end - s.start) * unit
+            for s in slabs(num_layers, width, unit, budget)
+        ]
+        assert max(sizes) <= budget
+    assert slabs(2, 4, 100, 1) == [Slab(i, i + 1, u, u + 1) for i in range(2) for u in range(4)]

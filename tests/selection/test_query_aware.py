@@ -138,3 +138,33 @@ def test_question_attention_takes_the_least_position_from_the_host() -> None:
     assert torch.equal(got.as_subclass(torch.Tensor), want)
     with pytest.raises(AssertionError, match="read"):
         question_attention(q, k, pos.as_subclass(NoMin))
+
+
+@pytest.mark.parametrize("tile", [1, 3, 7, 10, 64])
+def test_tiled_question_attention_equals_one_softmax(tile: int) -> None:
+    """Keys scored a tile at a time (two passes: each row's maximum and normaliser, then
+    the weights) give one softmax's scores up to float rounding; with every key in one
+    tile, the very same ones. Keys may be read on demand (``KeyRows``)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 8, generator=g) * 3
+    k = torch.randn(10, 2, 8, generator=g)
+    pos = torch.tensor([8, 2, 9])
+    want = question_attention(q, k, pos)
+
+    class Reads:
+        """Keys handed out by slices only, counting the rows read."""
+
+        shape, device, rows = k.shape, k.device, 0
+
+        def __getitem__(self, rows: slice) -> torch.Tensor:
+            out = k[rows]
+            Reads.rows += out.shape[0]
+            return out
+
+    got = question_attention(q, Reads(), pos, tile=tile)
+    if tile >= k.shape[0]:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert Reads.rows == 2 * k.shape[0]  # two passes, each key once per pass
+    assert float(got[3:8].sum()) > 0 and math.isclose(float(got.sum()), 12.0, rel_tol=1e-5)
