@@ -17,6 +17,7 @@ from sgl_pic.ops import (
     write_pool_kv,
 )
 from sgl_pic.ops.pool import check_slots
+from sgl_pic.ops.validate import checked_rows
 from sgl_pic.rope import rope_cos_sin, rotate_with
 
 
@@ -127,7 +128,7 @@ class KVAccess:
         chunks are stored in)."""
         kv = read_pool_kv(self.pool, self.num_layers, slots.to(self.device))
         if at:
-            self._rotate_in_place(kv[:, 0], -at)
+            self.rotate_in_place(kv[:, 0], -at)
         return kv
 
     def write_rotated(
@@ -141,7 +142,7 @@ class KVAccess:
         makes one): rotating them where they lie saves two copies of every layer's keys."""
         kv = kv.to(self.device)
         if start:
-            self._rotate_in_place(kv[:, 0], start)
+            self.rotate_in_place(kv[:, 0], start)
         write_pool_kv(self.pool, self.num_layers, slots.to(self.device), kv)
 
     def copy_rotated(
@@ -231,10 +232,45 @@ class KVAccess:
                 else:
                     kb[d].copy_(rotate_with(kb[s], cos, sin, spec.layout))
 
+    def checked(self, slots: torch.Tensor) -> torch.Tensor:  # [n] pool slots
+        """# [n] int64 ``slots`` on the pool's device, checked to lie in the pool (one host
+        read): what ``gather`` and ``scatter`` take, which check nothing themselves."""
+        first = self.pool.get_key_buffer(0)
+        return checked_rows(slots, first.shape[0], self.device)
+
+    def gather(self, rows: torch.Tensor, layer: int, layer_end: int) -> torch.Tensor:
+        """# [layer_end - layer, 2, n, num_kv_heads, head_dim] a copy of K and V of layers
+        [layer, layer_end) at ``rows`` (# [n], from ``checked``), as ``read`` (unmoved)
+        copies all layers: a piece of a chunk's KV, staged within a bound."""
+        first = self.pool.get_key_buffer(0)
+        out = torch.empty(
+            (layer_end - layer, 2, rows.numel(), *first.shape[1:]),
+            dtype=first.dtype,
+            device=self.device,
+        )
+        for i, at in enumerate(range(layer, layer_end)):
+            torch.index_select(self.pool.get_key_buffer(at), 0, rows, out=out[i, 0])
+            torch.index_select(self.pool.get_value_buffer(at), 0, rows, out=out[i, 1])
+        return out
+
+    def scatter(
+        self,
+        rows: torch.Tensor,  # [n] distinct pool slots, from ``checked``
+        kv: torch.Tensor,  # [layers, 2, n, num_kv_heads, head_dim] K then V
+        layer: int,
+    ) -> None:
+        """Pool K and V of layers layer.. at ``rows`` = ``kv`` (cast to the pool's dtype),
+        as ``write_pool_kv`` writes all layers."""
+        for i in range(kv.shape[0]):
+            kb = self.pool.get_key_buffer(layer + i)
+            vb = self.pool.get_value_buffer(layer + i)
+            kb.index_copy_(0, rows, kv[i, 0].to(kb.dtype))
+            vb.index_copy_(0, rows, kv[i, 1].to(vb.dtype))
+
     def pre_rope_keys(self, kv: torch.Tensor) -> torch.Tensor:
         """# [num_layers, n, num_kv_heads, head_dim] the keys of a chunk's independent KV
         (``kv`` # [num_layers, 2, n, num_kv_heads, head_dim], keys at 0..n-1) un-rotated."""
-        return self._rotate(kv[:, 0], -torch.arange(kv.shape[2], device=kv.device))
+        return self.rotated(kv[:, 0], -torch.arange(kv.shape[2], device=kv.device))
 
     def write_layer(
         self,
@@ -249,13 +285,13 @@ class KVAccess:
         kb[idx] = k.to(kb.device, kb.dtype)
         vb[idx] = v.to(vb.device, vb.dtype)
 
-    def _rotate_in_place(self, keys: torch.Tensor, delta: int | torch.Tensor) -> None:
+    def rotate_in_place(self, keys: torch.Tensor, delta: int | torch.Tensor) -> None:
         """keys # [L, n, H, D] (each layer contiguous) moved by ``delta`` positions (scalar
         or # [n]) where they lie: the op rotates a KV buffer in place, with no copy to
         rotate and copy back."""
         spec = self.rope.spec
         if spec.inv_freq is None:
-            keys.copy_(self._rotate(keys, delta))
+            keys.copy_(self.rotated(keys, delta))
             return
         n = keys.shape[1]
         d = (
@@ -265,7 +301,7 @@ class KVAccess:
         )
         apply_rope_kv(keys, d, spec.inv_freq.to(keys.device), spec.layout)
 
-    def _rotate(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+    def rotated(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """keys # [L, n, H, D] rotated by ``delta`` positions (scalar or # [n])."""
         n = keys.shape[1]
         d = torch.full((n,), delta, device=keys.device) if isinstance(delta, int) else delta

@@ -61,10 +61,10 @@ class LowerHit(NamedTuple):
     context: str = ""
 
 
-
 def _check_pre_rope(fingerprint: ModelFingerprint) -> None:
     if not fingerprint.pre_rope:
         raise ValueError("lower tiers hold pre-RoPE keys: the fingerprint needs pre_rope=True")
+
 
 class LowerTiers:
     """store: the tiered host/disk store (its model digest is ``fingerprint.digest()``).
@@ -228,22 +228,46 @@ class LowerTiers:
         """Writes the chunk's segments of ``namespace`` (encoded after ``context``, whose
         first chunk's contents are ``context_contents``) not yet held; returns how many
         were newly kept."""
-        keys = self.keys(token_ids, namespace, context)
-        keys = [k for k in keys if not self.store.contains(k.digest)]
         kept = 0
-        for k in keys:
-            record = ChunkKV(
-                key=k.digest,
-                model_digest=self.model_digest,
-                token_ids=tuple(token_ids[k.start : k.end]),
-                k=k_pre[:, k.start : k.end].contiguous(),
-                v=v[:, k.start : k.end].contiguous(),
-                ranking=None if ranking is None else ranking[k.start : k.end].float(),
-                namespace=namespace,
-                context_contents=context_contents,
+        for k in self.keys(token_ids, namespace, context):
+            if self.store.contains(k.digest):
+                continue
+            kept += self.put_segment(
+                k,
+                token_ids,
+                k_pre[:, k.start : k.end],
+                v[:, k.start : k.end],
+                None if ranking is None else ranking[k.start : k.end],
+                namespace,
+                context_contents,
             )
-            kept += bool(self.store.put(record))
         return kept
+
+    def put_segment(
+        self,
+        key: SegmentKey,
+        token_ids: Sequence[int],  # the whole chunk's
+        k_pre: torch.Tensor,  # [num_layers, key.end - key.start, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_layers, key.end - key.start, num_kv_heads, head_dim]
+        ranking: torch.Tensor | None,  # [key.end - key.start]
+        namespace: str = "",
+        context_contents: tuple[str, ...] = (),
+    ) -> bool:
+        """Writes one segment of a chunk (``keys``' ``key``) whatever the tiers hold; True
+        when kept. Phase 1 hands its segments over one at a time, each assembled from
+        pieces of the chunk. The tiers may keep the tensors (the shared tier's queue):
+        the caller never writes them again."""
+        record = ChunkKV(
+            key=key.digest,
+            model_digest=self.model_digest,
+            token_ids=tuple(token_ids[key.start : key.end]),
+            k=k_pre.contiguous(),
+            v=v.contiguous(),
+            ranking=None if ranking is None else ranking.float(),
+            namespace=namespace,
+            context_contents=context_contents,
+        )
+        return bool(self.store.put(record))
 
     def load_full(self, hit: LowerHit, token_ids: Sequence[int]) -> torch.Tensor | None:
         """# [num_layers, 2, n, num_kv_heads, head_dim], keys post-RoPE at 0..n-1 (the

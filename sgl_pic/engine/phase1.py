@@ -8,7 +8,8 @@ is the request's own where its device prefix holds it and the first chunk starts
 prompt (then those slots hold what exact prefill computes); otherwise the context is
 computed with the chunk on slots taken for it. The chunk's KV, keys moved to 0..n-1, is
 copied into new chunk nodes (``NodeWriter``) and written through to the host tier under
-a key naming the context, and its keys are re-rotated in place to the chunk's position.
+a key naming the context, and its keys are re-rotated in place to the chunk's position;
+ranked and copied a bounded piece at a time, however long the chunk (``chunk_store``).
 A chunk the device prefix cuts is encoded on slots taken for it, and only its rows past
 the prefix are written into the request's."""
 
@@ -22,12 +23,13 @@ import torch
 from sgl_pic.binding.phases import SubRequest
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.batch import BatchContext, Plans
-from sgl_pic.engine.chunk_nodes import ChunkNodeTable, take_slots
+from sgl_pic.engine.chunk_nodes import ChunkNode, ChunkNodeTable, Keys, take_slots
+from sgl_pic.engine.chunk_store import Destination, RecordSink, rank_miss, store_miss
 from sgl_pic.engine.forwards import PhaseForwards
 from sgl_pic.engine.kv_access import KVAccess, single_thread
 from sgl_pic.engine.planner import RequestPlan
 from sgl_pic.engine.rank_agreement import RankAgreement
-from sgl_pic.selection import cachetune_ranking
+from sgl_pic.keys import SegmentKey
 
 # Scratch rows phase 1 takes from SGLang's request table at once; more misses run in
 # further rounds.
@@ -61,6 +63,29 @@ class NodeWriter:
         self.kv = kv
         self.on_insert_failure = on_insert_failure
 
+    def insert(
+        self,
+        chunk_ids: tuple[int, ...],
+        ranking: torch.Tensor | None,  # [n]
+        namespace: str = "",
+        context: str = "",
+        context_contents: tuple[str, ...] = (),
+    ) -> tuple[tuple[ChunkNode, ...], Keys]:
+        """New chunk nodes of ``namespace`` (encoded after ``context``, whose first chunk's
+        contents are ``context_contents``) for the segments not held, and their keys, when
+        the pool share has room (none otherwise, counted). The caller fills them before
+        anything reads them, or ``nodes.discard``s them: linked but never written, a later
+        device hit would copy whatever the slots held before."""
+        inserted = (
+            self.nodes.insert(chunk_ids, ranking, namespace, context, context_contents)
+            if self.nodes.capacity_tokens
+            else ((), ())
+        )
+        if inserted is None:
+            self.on_insert_failure()
+            return (), ()
+        return inserted
+
     def write(
         self,
         chunk_ids: tuple[int, ...],
@@ -70,25 +95,14 @@ class NodeWriter:
         context: str = "",
         context_contents: tuple[str, ...] = (),
     ) -> None:
-        """New chunk nodes of ``namespace`` (encoded after ``context``, whose first chunk's
-        contents are ``context_contents``) for the segments not held, when the pool share
-        has room."""
-        inserted = (
-            self.nodes.insert(chunk_ids, ranking, namespace, context, context_contents)
-            if self.nodes.capacity_tokens
-            else ()
-        )
-        if inserted is None:
-            self.on_insert_failure()
-        elif inserted:
-            try:
-                for node, key in zip(*inserted, strict=True):
-                    self.kv.write_rotated(node.kv_slots, kv[:, :, key.start : key.end], 0)
-            except BaseException:
-                # Linked but never written: a later device hit would copy whatever the
-                # slots held before.
-                self.nodes.discard(inserted[0])
-                raise
+        """``insert``, then each new node's KV from ``kv``, one segment at a time."""
+        nodes, keys = self.insert(chunk_ids, ranking, namespace, context, context_contents)
+        try:
+            for node, key in zip(nodes, keys, strict=True):
+                self.kv.write_rotated(node.kv_slots, kv[:, :, key.start : key.end], 0)
+        except BaseException:
+            self.nodes.discard(nodes)
+            raise
 
     def write_locked(
         self,
@@ -219,33 +233,49 @@ class Phase1:
     ) -> torch.Tensor:
         """Stores one encoded miss in the chunk nodes and the lower tiers and writes it to
         the request's slots past its device prefix, keys re-rotated to the chunk's
-        position; its ranking # [end - start]."""
+        position; its ranking # [end - start]. Piece by piece (``chunk_store``): what it
+        stages on the device is bounded whatever the chunk's length."""
         kv_access, lower = self.forwards.kv, self.forwards.lower
         chunk_ids = plan.pending.token_ids[start:end]
-        slots = enc.slots
         _, context, contents = plan.pending.context_for(start)
+        ns = plan.pending.namespace  # stored in its own namespace only
+        keep = max(start, plan.prefix)
         # All of it on one thread, as the copies: small ops, where OpenMP's barriers under
         # a serving load cost more than a second thread gains (``single_thread``).
         with single_thread():
             # Encoded after its context, its keys sit past it: stored at 0..n-1 as any.
-            kv = kv_access.read(slots, enc.context.numel())
-            # Pre-RoPE keys, once: CacheTune ranks them and the lower tiers store them.
-            k_pre = kv_access.pre_rope_keys(kv)
+            at = enc.context.numel()
+            rows = kv_access.checked(enc.slots)
             # The server's alpha: the chunk's keys name it (``ranking_recipe``). Its
             # scores are summed over the ranks: a rank that failed meets them first.
             self.ranks.proceed()
-            ranking = cachetune_ranking(
-                k_pre, kv[:, 1], self.config.cachetune_alpha, reduce=self.forwards.reduce
+            ranking = rank_miss(
+                kv_access, rows, at, self.config.cachetune_alpha, self.forwards.reduce
             ).cpu()  # read on the host once: the plan, the chunk node and the tiers use it
-            ns = plan.pending.namespace  # stored in its own namespace only
-            self.writer.write(chunk_ids, kv, ranking, ns, context, contents)
+            records = None
             if lower is not None:
                 # Write-through: the host tier then puts it on disk in the background.
-                lower.put_chunk(chunk_ids, k_pre, kv[:, 1], ranking, ns, context, contents)
-            keep = max(start, plan.prefix)
-            if keep == start:
-                kv_access.write_rotated(slots, kv, start)
-            else:
-                tail = kv[:, :, keep - start :].contiguous()
-                kv_access.write_rotated(self.forwards.slots(plan, keep, end), tail, start)
+                keys = lower.keys(chunk_ids, ns, context)
+                new = frozenset(k.digest for k in keys if not lower.store.contains(k.digest))
+
+                def put(key: SegmentKey, k_pre: torch.Tensor, v: torch.Tensor) -> bool:
+                    rank = ranking[key.start : key.end]
+                    return lower.put_segment(key, chunk_ids, k_pre, v, rank, ns, contents)
+
+                records = RecordSink(keys, new, put)
+            nodes, node_keys = self.writer.insert(chunk_ids, ranking, ns, context, contents)
+            try:
+                targets = [
+                    Destination(kv_access.checked(node.kv_slots), key.start)
+                    for node, key in zip(nodes, node_keys, strict=True)
+                ]
+                if keep == start:
+                    request = Destination(rows, 0)  # its own slots: rotated where it lies
+                else:
+                    past = kv_access.checked(self.forwards.slots(plan, keep, end))
+                    request = Destination(past, keep - start)
+                store_miss(kv_access, rows, at, targets, request, start, records)
+            except BaseException:
+                self.writer.nodes.discard(nodes)
+                raise
         return ranking

@@ -126,6 +126,7 @@ DEVICE_MODULES = (
     "sgl_pic/engine/forwards.py",
     "sgl_pic/engine/lookup.py",
     "sgl_pic/engine/phase1.py",
+    "sgl_pic/engine/chunk_store.py",
     "sgl_pic/engine/signals.py",
     "sgl_pic/engine/select.py",
     "sgl_pic/engine/phase2.py",
@@ -140,7 +141,11 @@ DEVICE_MODULES = (
 
 
 # Functions outside those modules that the server runs on device data.
-DEVICE_FUNCTIONS = (("sgl_pic/selection/query_aware.py", "question_attention"),)
+DEVICE_FUNCTIONS = (
+    ("sgl_pic/selection/query_aware.py", "question_attention"),
+    ("sgl_pic/selection/query_aware.py", "_masked_logits"),
+    ("sgl_pic/selection/cachetune.py", "__init__"),  # ``LowPassEnergy``: phase 1's ranking
+)
 
 
 def _sgl_pic_caller() -> Any:

@@ -59,7 +59,7 @@ def test_copy_rotated_stages_a_bounded_amount_and_matches_the_unbounded_copy(
     want_pool, src, dst, delta = large_hit(dtype)
     want = KVAccess(want_pool, LAYERS, rope)
     kv = want.read(src)  # every row of every layer at once: the unbounded reference
-    want._rotate_in_place(kv[:, 0], delta)
+    want.rotate_in_place(kv[:, 0], delta)
     write_pool_kv(want_pool, LAYERS, dst, kv)
     unbounded = kv.numel() * kv.element_size()
     del kv
