@@ -8,8 +8,9 @@ per run, where an exact prefill reads it once per tile of the whole prompt. Coun
 in KV tokens per KV head and layer (every head and layer reads alike), so plans compare
 by one number.
 
-Facts each model rests on (the kernels' planning, as SGLang 0.5.23 calls them; page size
-1, no sliding window, no custom mask):
+Facts each model rests on (the kernels' planning as SGLang 0.5.23 calls them: page size
+1, no sliding window, no custom mask; FlashInfer's ``attention/scheduler.cuh`` and
+``utils.cuh``, FA3's ``hopper/tile_size.h``, ``heuristics.h`` and its causal block range):
 
 - Both kernels pack the query heads that share a KV head into one tile's rows (token t,
   head h of the group is row t * group + h): FlashInfer always in prefill (its plan's
