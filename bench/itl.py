@@ -15,10 +15,11 @@ prefill, ``plain``). Each repetition runs both, over the same passages (each beh
 fresh header, so SGLang's prefix tree misses), in alternating order.
 
 Per trial: the decoding request's longest gap between two consecutive tokens whose
-interval overlaps the prompt's time in the server (``gap_s``), its median gap before the
-prompt arrived (``itl_s``), and ``stretch_s`` = gap - itl: what the prompt added to the
-longest wait. Per repetition, chunked over plain of both (``gap_ratio``,
-``stretch_ratio``); the summary gives their medians. Chunked trials also record the
+interval overlaps the prompt's time in the server (``gap_s``; all of those gaps in
+``gaps_during_s``), its median gap before the prompt arrived (``itl_s``), and
+``stretch_s`` = gap - itl: what the prompt added to the longest wait. Per repetition,
+chunked over plain of both (``gap_ratio``, ``stretch_ratio``); the summary gives their
+medians. Chunked trials also record the
 executor's per-batch seconds (its log line: assemble + phase 1, select + phase 2), the
 extend batches SGLang formed, and their /metrics: split requests, misses, chunks deferred
 (by store admission or a piece's phase-1 budget) and encoded, recomputed tokens, the
@@ -160,13 +161,13 @@ class Decoder(threading.Thread):
             time.sleep(0.005)
 
 
-def gaps(times: list[float], start: float, end: float) -> tuple[float, float]:
-    """(longest gap between consecutive arrivals overlapping [start, end], median gap of
-    the arrivals before ``start``)."""
+def gaps(times: list[float], start: float, end: float) -> tuple[list[float], float]:
+    """(the gaps between consecutive arrivals overlapping [start, end], in order; the
+    median gap of the arrivals before ``start``)."""
     pairs = list(zip(times, times[1:], strict=False))
     during = [b - a for a, b in pairs if b > start and a < end]
     before = [b - a for a, b in pairs if b <= start]
-    return max(during), statistics.median(before)
+    return during, statistics.median(before)
 
 
 def trial(
@@ -194,7 +195,8 @@ def trial(
     finally:
         decoder.stop.set()
     decoder.join(timeout=120)
-    gap, itl = gaps(decoder.times, t0, t1)
+    during, itl = gaps(decoder.times, t0, t1)
+    gap = max(during)
     d = delta(before, client.metrics())
     batches, tokens = client.prefill_batches()
     return {
@@ -205,6 +207,9 @@ def trial(
         "gap_s": gap,
         "itl_s": itl,
         "stretch_s": gap - itl,
+        # Every gap while the prompt was in the server: tokens decoded between its pieces
+        # show as several long gaps, one per prefill batch.
+        "gaps_during_s": during,
         "extend_batches": batches,
         "extend_tokens": tokens,
         "phase_seconds": client.phase_timings(),
