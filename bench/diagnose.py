@@ -51,6 +51,7 @@ from sgl_pic.fidelity import (  # noqa: E402
     chunk_drift,
     first_token_kl,
     greedy_agreement,
+    layer_freqs,
     recall_at,
     top1_agrees,
 )
@@ -403,7 +404,7 @@ def run_example(
 
     # -- CacheTune ranking recall ---------------------------------------------
     spans = layout.chunks[1:]
-    drift = chunk_drift(full.kv, chunks[1:], spans, oracle.w.inv_freq)  # E.2, as fidelity.py
+    drift = chunk_drift(full.kv, chunks[1:], spans, layer_freqs(oracle.w))  # E.2, as fidelity.py
     gen = torch.Generator().manual_seed(1000 + ex_i)
     excl = torch.cat([torch.arange(s.length) >= 4 for s in spans])
     raw_later = torch.cat([raw[s.start : s.end] for s in spans]).float()

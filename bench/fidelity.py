@@ -57,6 +57,7 @@ from sgl_pic.fidelity import (  # noqa: E402
     first_token_kl,
     greedy_agreement,
     kv_deviation,
+    layer_freqs,
     oracle_in_dtype,
     position_fidelity,
     recall_at,
@@ -553,7 +554,7 @@ def _ranking_recall(
     each chunk, and the random expectation."""
     # The first chunk sits at position 0: its independent KV is exact, no drift.
     later, spans = chunks[1:], layout.chunks[1:]
-    drift = chunk_drift(full.kv, later, spans, oracle.w.inv_freq)
+    drift = chunk_drift(full.kv, later, spans, layer_freqs(oracle.w))
     ranking = torch.cat([c.ranking for c in later])
     first = torch.cat([-torch.arange(s.length, dtype=torch.float32) for s in spans])
     k = max(1, round(fraction * drift.numel()))

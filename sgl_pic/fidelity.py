@@ -23,6 +23,7 @@ import torch
 
 from sgl_pic.layout import Span
 from sgl_pic.oracle.forward import KVCache, empty_kv, forward_tokens, logits_of
+from sgl_pic.oracle.model_weights import ModelWeights
 from sgl_pic.oracle.oracle import ChunkKV, Oracle
 from sgl_pic.rope import rerotate
 
@@ -110,22 +111,34 @@ def token_drift(
     return (dk + dv).mean(dim=0).to(torch.float32)
 
 
+def layer_freqs(w: ModelWeights) -> list[torch.Tensor]:
+    """Each layer's RoPE frequencies # [head_dim // 2] (``chunk_drift``'s tables)."""
+    return [w.rope(li).inv_freq for li in range(w.num_layers)]
+
+
 def chunk_drift(
     full: KVCache,  # [num_layers, N, num_kv_heads, head_dim] each, full-context prefill
     chunks: Sequence[ChunkKV],
     spans: Sequence[Span],
-    inv_freq: torch.Tensor,  # [head_dim // 2]
+    layer_freqs: Sequence[torch.Tensor],  # num_layers x [head_dim // 2], each layer's table
 ) -> torch.Tensor:
     """# [sum of span lengths] ``token_drift`` of each chunk's independent KV against the
     full-context KV of its span, tokens in span order. Full-context keys are rotated back
-    to position 0 so that both sides are compared before RoPE, as CacheTune E.2 does."""
+    to position 0, each layer by its own RoPE table, so that both sides are compared
+    before RoPE, as CacheTune E.2 does."""
     if len(chunks) != len(spans):
         raise ValueError(f"{len(chunks)} chunks for {len(spans)} spans")
+    if len(layer_freqs) != full.k.shape[0]:
+        raise ValueError(f"{len(layer_freqs)} RoPE tables for {full.k.shape[0]} layers")
     full_k, full_v = [], []
     for span in spans:
         pos = torch.arange(span.start, span.end)
         k = full.k[:, span.start : span.end]
-        full_k.append(torch.stack([rerotate(kl, pos, torch.zeros_like(pos), inv_freq) for kl in k]))
+        back = [
+            rerotate(kl, pos, torch.zeros_like(pos), freq)
+            for kl, freq in zip(k, layer_freqs, strict=True)
+        ]
+        full_k.append(torch.stack(back))
         full_v.append(full.v[:, span.start : span.end])
     return token_drift(
         torch.cat([c.pre_rope_k for c in chunks], 1),

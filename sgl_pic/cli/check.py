@@ -309,16 +309,15 @@ def _rotation(
     layout: PromptLayout,
     limits: CheckThresholds,
 ) -> CheckResult:
-    from sgl_pic.rope import rerotate
-
     span = layout.chunks[min(1, len(layout.chunks) - 1)]
     ids = token_ids[span.start : span.end]
     at0 = oracle.encode_chunk(ids)
     far = oracle.encode_chunk(ids, start_position=ROTATION_SHIFT)
     n = ids.numel()
     old, new = torch.arange(n), torch.arange(ROTATION_SHIFT, ROTATION_SHIFT + n)
+    # Each layer with its own table (Gemma 3's sliding and global layers differ).
     moved = torch.stack(
-        [rerotate(at0.kv.k[li], old, new, oracle.w.inv_freq) for li in range(oracle.w.num_layers)]
+        [oracle.move_keys(li, at0.kv.k[li], old, new) for li in range(oracle.w.num_layers)]
     )
     k_err = float((moved.float() - far.kv.k.float()).abs().max() / far.kv.k.abs().max())
     v_err = float((at0.kv.v.float() - far.kv.v.float()).abs().max() / far.kv.v.abs().max())

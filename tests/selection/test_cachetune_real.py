@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_pic.fidelity import chunk_drift, recall_at
+from sgl_pic.fidelity import chunk_drift, layer_freqs, recall_at
 from sgl_pic.oracle import Oracle
 from sgl_pic.prompts import build_prompt, load_rag_examples
 from sgl_pic.selection import cachetune_ranking
@@ -49,7 +49,7 @@ def test_low_frequency_ranking_beats_random_recall(real_oracle: Oracle, tokenize
             )
             for s in later
         ]
-        drift = chunk_drift(full.kv, chunks, later, real_oracle.w.inv_freq)
+        drift = chunk_drift(full.kv, chunks, later, layer_freqs(real_oracle.w))
         ranking = torch.cat([c.ranking for c in chunks])
         recalls.append(recall_at(drift, ranking, 0.15))
     random_expectation = 0.15
