@@ -6,6 +6,7 @@ merged."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -115,3 +116,38 @@ def test_fitting_the_backend_keeps_the_caps_merges_and_stats_follow() -> None:
     fit_runs(capped, {0: plan}, plain=0, cap=None, merge_gap=0, metrics=metrics)  # type: ignore[arg-type]
     assert plan.selected.tolist() == [*range(10, 40), 99]
     assert plan.stats.recomputed_tokens == 31
+
+
+def recording(server: Any, seen: list[list[Run]]) -> None:
+    """Notes the runs of every phase batch ``server``'s phase runner prepares."""
+    prepare = server.phases.prepare
+
+    def recorded(live: Any, subs: list[Any], ids: torch.Tensor) -> Any:
+        seen.append([Run(s.prefix, s.prefix + s.extend) for s in subs])
+        return prepare(live, subs, ids)
+
+    server.phases.prepare = recorded
+
+
+def test_the_executor_runs_the_capped_runs() -> None:
+    # The executor harness of test_host_syncs (SGLang's request table, a fake pool, a
+    # deterministic stack): the same prompt twice (stored, then reused) on two servers,
+    # one with the cap. Phase 2 of the capped one runs the uncapped runs bounded.
+    from tests.engine.test_host_syncs import DIM, HEADS, KV_HEADS, Server, chunk, question
+
+    cap = read_cap(HEADS // KV_HEADS, DIM, 1.0)
+    prompt = [([chunk(0), chunk(1), chunk(2), chunk(3)], question(0))]
+    phase2: list[list[Run]] = []
+    for server_cap in (None, cap):
+        server = Server("query_aware")
+        server.executor.select.read_cap = server_cap
+        seen: list[list[Run]] = []
+        recording(server, seen)
+        server.run(prompt)
+        server.run(prompt)
+        phase2.append(seen[-1])  # the reusing batch's phase 2: its last phase forward
+    uncapped, capped = phase2
+    n = 4 * len(chunk(0)) + len(question(0))
+    assert len(uncapped) > len(capped) >= 1
+    assert capped == bound_runs(uncapped, 0, n, cap)
+    assert positions(uncapped) < positions(capped)
