@@ -19,12 +19,12 @@ interval overlaps the prompt's time in the server (``gap_s``; all of those gaps 
 ``gaps_during_s``), its median gap before the prompt arrived (``itl_s``), and
 ``stretch_s`` = gap - itl: what the prompt added to the longest wait. Per repetition,
 chunked over plain of both (``gap_ratio``, ``stretch_ratio``); the summary gives their
-medians. Chunked trials also record the
-executor's per-batch seconds (its log line: assemble + phase 1, select + phase 2), the
-extend batches SGLang formed, and their /metrics: split requests, misses, chunks deferred
-(by store admission or a piece's phase-1 budget) and encoded, recomputed tokens, the
-selection's seconds (the query probe included), fallbacks and failures (``check``: the
-chunked prompt was taken on the chunk path and split, with no fallback or failure).
+medians. Chunked trials also record the executor's per-batch seconds (its log line:
+assemble + phase 1, select + phase 2), the extend batches SGLang formed, and their
+/metrics: split requests, misses, chunks deferred (by store admission or a piece's
+phase-1 budget) and encoded, recomputed tokens, the selection's seconds (the query probe
+included), fallbacks and failures (``check``: the chunked prompt was taken on the chunk
+path and split, with no fallback or failure).
 
 ``--ref-root``: a second server, the same flags, its code from another checkout (the
 commit before a change, ``git worktree add``); both are up and the one not measured is
