@@ -49,7 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from _common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, when loaded by path
+from _common import (  # noqa: E402
     ROOT,
     add_data_option,
     add_out_option,
@@ -57,7 +59,7 @@ from _common import (
     git_state,
     write_json,
 )
-from _server import Client, delta, fresh_header, launch, metric
+from _server import Client, delta, fresh_header, launch, metric  # noqa: E402
 
 METRICS = {
     "split_requests": "sgl_pic_split_requests_total",
