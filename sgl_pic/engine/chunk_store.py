@@ -106,16 +106,17 @@ def store_miss(
     first = kv.pool.get_key_buffer(0)
     row_bytes = PIECE_ROWS_PER_ROW * first[0].numel() * 4
     keys = records.keys if records is not None else ()
+    new = records.new if records is not None else frozenset()
     for w0, w1 in _windows(n, keys, kv.num_layers * row_bytes, kv.staging_bytes):
         window = [k for k in keys if w0 <= k.start and k.end <= w1]
-        assert records is not None or not window
+        # The window's new records, filled piece by piece: storage once handed over.
         made = {
             k.digest: (
                 first.new_empty((kv.num_layers, k.end - k.start, *first.shape[1:])),
                 first.new_empty((kv.num_layers, k.end - k.start, *first.shape[1:])),
             )
             for k in window
-            if records is not None and k.digest in records.new
+            if k.digest in new
         }
         for p in slabs(kv.num_layers, w1 - w0, row_bytes, kv.staging_bytes):
             r0, r1 = w0 + p.start, w0 + p.end
@@ -141,7 +142,7 @@ def store_miss(
             del piece
         for k in window:
             if records is not None and k.digest in made:
-                records.put(k, *made.pop(k.digest))
+                records.put(k, *made.pop(k.digest))  # handed over whole, never written again
 
 
 def _windows(
