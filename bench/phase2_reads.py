@@ -46,6 +46,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -216,10 +217,14 @@ def covered(runs: list[Run]) -> int:
 
 
 def fidelity_rows(
-    oracle: Oracle, prompts: list[tuple[int, ChunkedPrompt]], budget: float
+    oracle: Oracle,
+    prompts: list[tuple[int, ChunkedPrompt]],
+    budget: float,
+    on_row: Callable[[list[dict[str, Any]]], None],
 ) -> list[dict[str, Any]]:
     """Per (example, prompt): query_aware's first-token KL to exact prefill, uncapped and
-    capped at ``budget`` for the embedded model's shape."""
+    capped at ``budget`` for the embedded model's shape; ``on_row`` sees the rows so far
+    after each."""
     config = PicConfig()
     cap = read_cap(*EMBEDDED_SHAPE, budget)
     rows = []
@@ -250,6 +255,7 @@ def fidelity_rows(
             }
         )
         print(f"fidelity {i}: {rows[-1]}", flush=True)
+        on_row(rows)
     return rows
 
 
@@ -284,7 +290,7 @@ def summarize_fidelity(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
     started = time.perf_counter()
     state = git_state()
     torch.manual_seed(0)
@@ -310,14 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n, sel = tiled(chosen[k:] + chosen[:k], length)
             label = f"tiled {length} from {args.first + k}"
             records += read_records(label, n, sel, args.budgets)
-    budget = args.budgets[0]
-    fidelity = fidelity_rows(oracle, held_out(tokenizer, examples, args), budget)
-    long = [
-        (i, long_prompt(tokenizer, examples, i, args.long_tokens))
-        for i in range(args.first, args.first + args.long_fidelity)
-    ]
-    fidelity_long = fidelity_rows(oracle, long, budget)
-    return {
+    result: dict[str, Any] = {
         "benchmark": "phase2_reads",
         "commit": state.commit,
         "dirty": state.dirty,
@@ -327,13 +326,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shapes": {k: v._asdict() for k, v in SHAPES.items()},
         "summary": summarize_reads(records),
         "records": records,
-        "fidelity": summarize_fidelity(fidelity) if fidelity else None,
-        "fidelity_long": summarize_fidelity(fidelity_long) if fidelity_long else None,
-        "fidelity_long_rows": fidelity_long,
         "selections": [list(c) for c in chosen],
-        "fidelity_rows": fidelity,
+        # Written again after each fidelity prompt: a run stopped early keeps those done.
+        "complete": False,
+        "fidelity": None,
+        "fidelity_rows": [],
+        "fidelity_long": None,
+        "fidelity_long_rows": [],
         "wall_s": time.perf_counter() - started,
     }
+    save(result)
+
+    def progress(key: str) -> Callable[[list[dict[str, Any]]], None]:
+        def on_row(rows: list[dict[str, Any]]) -> None:
+            result[key], result[f"{key}_rows"] = summarize_fidelity(rows), rows
+            result["wall_s"] = time.perf_counter() - started
+            save(result)
+
+        return on_row
+
+    budget = args.budgets[0]
+    fidelity_rows(oracle, held_out(tokenizer, examples, args), budget, progress("fidelity"))
+    long = [
+        (i, long_prompt(tokenizer, examples, i, args.long_tokens))
+        for i in range(args.first, args.first + args.long_fidelity)
+    ]
+    fidelity_rows(oracle, long, budget, progress("fidelity_long"))
+    result["complete"] = True
+    result["wall_s"] = time.perf_counter() - started
+    save(result)
+    return result
 
 
 def summarize_reads(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -419,8 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not all(b == 0 or 1 <= b < math.inf for b in args.budgets):
         p.error("--budgets must be 0 or at least 1")
-    result = run(args)
-    write_json(args.out, result)
+    result = run(args, lambda r: write_json(args.out, r))
     print_table(result)
     return 0
 
