@@ -17,8 +17,7 @@ hands SGLang ``PlannedCostAdder`` instead, a subclass that changes two steps of
   memory through the chunk limit SGLang's memory budget applies), the selection is made
   again as SGLang makes it, and each piece is charged its length. That over-charges the
   pieces after the first and under-charges the first, which runs the whole request's
-  lookups and signals (``engine.pieces``): a known limit of this estimate. Its phase 1
-  stays within the piece's charge (``engine.piece_budget``: misses past it are deferred).
+  lookups, phase 1 and signals (``engine.pieces``): a known limit of this estimate.
 - commit (``_commit_prefill_admission``): SGLang commits under the same raised budgets
   (its SWA memory budget sizes the window allocation by the chunk limit) and charges the
   extend; the difference to the planned cost is given back to both compute budgets.

@@ -102,14 +102,7 @@ class PicSeries:
         Counter,
         "sgl_pic_chunk_deferred",
         "Missed chunks not stored: computed in context like fresh text, because store "
-        "admission waits for a second sight (--pic-admission) or a prefill piece's phase 1 "
-        "budget was spent",
-    )
-    budget_deferred = Series(
-        Counter,
-        "sgl_pic_chunk_budget_deferred",
-        "Missed chunks past the phase 1 budget of the first prefill piece of a split "
-        "request: computed in context like fresh text, not stored this time",
+        "admission waits for a second sight (--pic-admission)",
     )
     admission_reuse_rate = Series(
         Gauge,

@@ -6,11 +6,10 @@ Each chunk past the device prefix is looked up in the request's readable namespa
 memory and disk. A device hit is copied into the request's own slots and re-rotated to the
 chunk's position (the node stays as it was); a lower-tier hit is loaded during phase 2. A
 chunk found nowhere is stored by phase 1 unless store admission defers it (computed in
-context in phase 2, like fresh text) or, in the first of several prefill pieces, the
-piece's budget is spent (``piece_budget``: deferred the same way). Everything a request
-reads stays locked until the batch ends (``Release``). With tensor parallelism every rank
-looks in tiers of its own, then the ranks agree on each chunk before any of it is acted on
-(``Lookup``, ``rank_agreement``)."""
+context in phase 2, like fresh text). Everything a request reads stays locked until the
+batch ends (``Release``). With tensor parallelism every rank looks in tiers of its own,
+then the ranks agree on each chunk before any of it is acted on (``Lookup``,
+``rank_agreement``)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from sgl_pic.engine.batch import BatchContext, HitCopy, Plans
 from sgl_pic.engine.chunk_nodes import ChunkHit, ChunkNodeTable
 from sgl_pic.engine.forwards import PhaseForwards
 from sgl_pic.engine.lower_tiers import LowerHit
-from sgl_pic.engine.piece_budget import within_budget
 from sgl_pic.engine.planner import ChunkLookup, RequestPlan
 from sgl_pic.engine.promoter import Promoter
 from sgl_pic.engine.rank_agreement import ChunkVote, RankAgreement
@@ -65,10 +63,9 @@ class Lookup:
     miss on all (a rank that found it lets go of its find), a hit is planned and counted
     as the slowest tier any rank holds it in (each rank still reads its own copy: a
     device copy where it has one), and a miss is stored only where every rank's store
-    admission would store it and a first piece's budget has room for it (``piece_budget``).
-    The plans, and through them every forward of the batch, are then the same on every
-    rank, whichever rank applied which deletions of the shared log (``Deleter.sync``) or
-    lost which records."""
+    admission would store it. The plans, and through them every forward of the batch,
+    are then the same on every rank, whichever rank applied which deletions of the shared
+    log (``Deleter.sync``) or lost which records."""
 
     def __init__(
         self,
@@ -96,18 +93,6 @@ class Lookup:
         agreed_admits = self.ranks.all_of([bool(admits[i]) for i in misses])
         for i, admit in zip(misses, agreed_admits, strict=True):
             admits[i] = admit
-        # A first prefill piece encodes within its budget; the rest of its misses are
-        # deferred (``piece_budget``), decided from agreed outcomes: alike on every rank.
-        deferred = 0
-        for plan in plans.values():
-            stored = [i for i in misses if flat[i][0] is plan and admits[i]]
-            spans = [(flat[i][1].start, flat[i][1].end) for i in stored]
-            for i, fits in zip(stored, within_budget(plan, spans), strict=True):
-                if not fits:
-                    admits[i] = False
-                    deferred += 1
-        if deferred:
-            self.forwards.metrics.budget_deferred.inc(deferred)
         outcomes = iter(
             [
                 ((f.start, f.end), self.use(plan, f, a, ctx, admit is not False))

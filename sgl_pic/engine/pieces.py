@@ -6,12 +6,9 @@ runs. The request is planned at its first piece over its whole prompt, as if uns
 a scratch row of SGLang's request table stands for the prompt, holding the request's own
 slots up to the first piece's end and slots taken from the allocator past it (held until
 the last piece). Every step of the unsplit path runs over that row in the first piece's
-batch: lookups, assembly, phase 1, the signals with the real question, the selection.
-Phase 1 there encodes the misses that fit the piece's budget, in prompt order; the rest are
-deferred, computed in context like fresh text and not stored (``piece_budget``). Each piece
-then runs phase 2 for the selected positions inside it (a deferred chunk's, all of them),
-over the scratch row, and a later piece's positions are copied into the slots SGLang gave
-it.
+batch: lookups, assembly, phase 1 for every miss, the signals with the real question, the
+selection. Each piece then runs phase 2 for the selected positions inside it, over the
+scratch row, and a later piece's positions are copied into the slots SGLang gave it.
 
 Causal attention makes the pieces' sum the unsplit request: a recomputed position attends
 only to positions before it, whose KV (reused, encoded, or recomputed by an earlier piece)

@@ -23,11 +23,6 @@ ADDED = ("split_requests", "pieces")
 HELP = {
     "fallbacks": "Chunked request pieces run without reuse (input logprobs, or no scratch row "
     "or slots to plan a request split into prefill pieces)",
-    # Issue 56: a split request's first piece encodes within its budget; the misses past
-    # it are deferred as store admission defers, and counted apart too.
-    "deferred": "Missed chunks not stored: computed in context like fresh text, because store "
-    "admission waits for a second sight (--pic-admission) or a prefill piece's phase 1 "
-    "budget was spent",
 }
 
 
@@ -38,9 +33,6 @@ def since() -> list[dict[str, Any]]:
         entry = dict(entry)
         entry["help"] = HELP.get(entry["attr"], entry["help"])
         out.append(entry)
-        if entry["attr"] == "deferred":
-            name = "sgl_pic_chunk_budget_deferred"
-            out.append({**entry, "attr": "budget_deferred", "name": name, "help": None})
         if entry["attr"] == "fallbacks":
             for attr, name in zip(
                 ADDED, ("sgl_pic_split_requests", "sgl_pic_prefill_pieces"), strict=True
@@ -102,7 +94,7 @@ def test_each_declaration_is_registered_once(metrics: Any) -> None:
     exported = {f.name for f in REGISTRY.collect() if f.name.startswith("sgl_pic_")}
     declared = {s.name for _, s in declared_series()}
     assert declared <= exported
-    assert len(declared) == len(declared_series()) == len(BEFORE["series"]) + len(ADDED) + 3
+    assert len(declared) == len(declared_series()) == len(BEFORE["series"]) + len(ADDED) + 2
 
 
 def test_an_attribute_is_its_declaration_on_the_class_and_its_object_on_an_instance(

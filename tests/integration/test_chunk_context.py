@@ -46,18 +46,14 @@ def context_reference(toks: list[int], spans: list[list[int]]) -> torch.Tensor:
     return torch.log_softmax(oracle.reuse(t, layout, chunks, policy).logits.double(), -1)
 
 
-def served_matches(
-    server: Server, toks: list[int], spans: list[list[int]], kept: list[list[int]] | None = None
-) -> dict:
+def served_matches(server: Server, toks: list[int], spans: list[list[int]]) -> dict:
     """Sends the prompt under full reuse; asserts its first token's top log-probabilities
-    are the oracle's (``context_reference``) and returns the metric deltas. ``kept``: the
-    chunks reused (by default all); the others are computed in context, like fresh text
-    (deferred by a prefill piece's budget)."""
+    are the oracle's (``context_reference``) and returns the metric deltas."""
     req = body(toks, spans, n=1, policy="full_reuse")
     req.update(return_logprob=True, top_logprobs_num=8)
     out, d = server.send(req)
     assert d["sgl_pic_failures_total"] == 0
-    ref = context_reference(toks, spans if kept is None else kept)
+    ref = context_reference(toks, spans)
     for logprob, token_id, _ in out["meta_info"]["output_top_logprobs"][0]:
         assert abs(logprob - float(ref[token_id])) < 1e-3, (token_id, logprob, float(ref[token_id]))
     return {**d, "cached_tokens": out["meta_info"]["cached_tokens"]}
@@ -133,24 +129,13 @@ def test_deleting_a_first_chunk_deletes_the_chunks_encoded_after_it(server: Serv
 def test_a_request_cut_into_prefill_pieces_is_served_the_same_kv() -> None:
     """Planned whole at its first piece (a scratch row standing for the prompt), a split
     request encodes its misses after the first chunk as an unsplit one does: computed
-    with the chunk, or read from the device prefix; those past the piece's phase-1 budget
-    are computed in context (``engine.piece_budget``), and encoded by a later request."""
-    budget_deferred = "sgl_pic_chunk_budget_deferred_total"
+    with the chunk, or read from the device prefix."""
     with launch("--pic-chunk-context", "first_chunk", "--chunked-prefill-size", "24") as split:
-        # Cold: E, the first miss, is encoded; A and B (each with E computed as its
-        # context) do not fit the piece's 24 tokens after it.
         toks, spans = chunked(["E", "A", "B"], "Which city has temples?")
-        d = served_matches(split, toks, spans, kept=spans[:1])
-        assert d["sgl_pic_split_requests_total"] == 1 and d[MISSES] == 1
-        assert d[budget_deferred] == 2 and d[ENCODED] == spans[0][1]
-        # E is device prefix: B is encoded reading its context there; C does not fit.
-        toks, spans = chunked(["E", "B", "C"], "Which city is on the equator?")
-        d = served_matches(split, toks, spans, kept=spans[:2])
-        assert d["sgl_pic_split_requests_total"] == 1 and d["cached_tokens"] >= spans[0][1]
-        assert (sum(d[h] for h in HITS), d[MISSES], d[budget_deferred]) == (0, 1, 1)
-        assert d[ENCODED] == spans[1][1] - spans[1][0]
-        # Now C: found B, every chunk is reused as encoded after E.
-        toks, spans = chunked(["E", "C", "B"], "Which port has funiculars?")
         d = served_matches(split, toks, spans)
-        assert (sum(d[h] for h in HITS), d[MISSES], d[budget_deferred]) == (1, 1, 0)
-        assert d[ENCODED] == spans[1][1] - spans[1][0]
+        assert d["sgl_pic_split_requests_total"] == 1 and d[MISSES] == 3
+        toks, spans = chunked(["E", "B", "C"], "Which city is on the equator?")
+        d = served_matches(split, toks, spans)
+        assert d["sgl_pic_split_requests_total"] == 1 and d["cached_tokens"] >= spans[0][1]
+        assert (sum(d[h] for h in HITS), d[MISSES]) == (1, 1)
+        assert d[ENCODED] == spans[2][1] - spans[2][0]

@@ -1,11 +1,9 @@
 """Prompts longer than SGLang's --chunked-prefill-size: a chunked request is planned once,
 at its first prefill piece, over its whole prompt, and each piece runs its share
-(``sgl_pic.engine.pieces``). Where SGLang cuts must not matter once the chunks are stored:
-the same request sequence through a server that cuts into small pieces gives the unsplit
-server's tokens, first-token distribution and recomputed set, request by request; and a
-split full-reuse request is the oracle's reuse of its whole prompt. What it stores does:
-a cold split request encodes only what fits its first piece's phase-1 budget
-(``engine.piece_budget``), so each chunk is then sent once on its own."""
+(``sgl_pic.engine.pieces``). Where SGLang cuts must not matter: the same request sequence
+through a server that cuts into small pieces gives the unsplit server's tokens, first
+-token distribution and recomputed set, request by request; and a split full-reuse
+request is the oracle's reuse of its whole prompt."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ IBIS = (
 )
 STEPS = [
     # (order, question, header, per-request config): a cold request first (every chunk a
-    # miss: the unsplit server encodes all, the split one those within its first piece's
-    # budget), then, after each chunk sent alone (``WARM``), reordered warm ones per policy.
+    # miss, encoded in whichever piece it lies), then reordered warm ones per policy.
     (NAMES, "Name a city.", "Pelican log.\n", {}),
     (NAMES[2:] + NAMES[:2], "Which city is on the equator?", "Owl.\n", {}),
     (NAMES[::-1], "Where do rivers meet?", "Crane notes.\n", {"policy": "cacheblend"}),
@@ -47,11 +44,6 @@ STEPS = [
 ]
 
 
-# Each chunk alone behind a header of its own: the first miss of a split request is
-# encoded whatever the budget, so every chunk is stored on both servers after these.
-WARM = [([name], "Which city?", f"Warm {name}.\n") for name in NAMES]
-
-
 class Outcome(NamedTuple):
     extend: int  # prompt tokens past the device prefix
     tokens: list[int]
@@ -61,7 +53,6 @@ class Outcome(NamedTuple):
     split: float
     fallbacks: float
     failures: float
-    budget_deferred: float
 
 
 def _send(server: Server, req: dict[str, Any]) -> Outcome:
@@ -79,7 +70,6 @@ def _send(server: Server, req: dict[str, Any]) -> Outcome:
         d["sgl_pic_split_requests_total"],
         d["sgl_pic_fallbacks_total"],
         d["sgl_pic_failures_total"],
-        d["sgl_pic_chunk_budget_deferred_total"],
     )
 
 
@@ -89,13 +79,10 @@ def _sequence(server: Server) -> list[Outcome]:
     position 0)."""
     outcomes = []
     first: tuple[list[int], list[list[int]]] | None = None
-    for i, (names, question, header, config) in enumerate(STEPS):
+    for names, question, header, config in STEPS:
         toks, spans = chunked(names, question, header=header)
         first = first or (toks, spans)
         outcomes.append(_send(server, body(toks, spans, n=8, **config)))
-        if i == 0:
-            for warm in WARM:
-                assert server.generate(body(*chunked(*warm), n=1)).status_code == 200
     assert first is not None
     toks, spans = first
     turn = toks + outcomes[0].tokens + ids("\nAnd another one?\n")
@@ -121,7 +108,6 @@ def split(request: pytest.FixtureRequest) -> Iterator[tuple[int, list[Outcome]]]
 
 def test_the_unsplit_server_takes_each_prompt_in_one_piece(unsplit: list[Outcome]) -> None:
     assert all(o.split == 0 and o.fallbacks == 0 and o.failures == 0 for o in unsplit)
-    assert all(o.budget_deferred == 0 for o in unsplit)
     assert all(o.recomputed > 0 for o in unsplit)
     assert sum(o.reused for o in unsplit[1:]) > 0
 
@@ -131,23 +117,14 @@ def test_where_sglang_cuts_changes_nothing(
 ) -> None:
     piece, outcomes = split
     assert max(o.extend for o in outcomes) > 2 * piece, "the prompts must span several pieces"
-    # Cold, the split server encodes what fits its first piece and computes the rest in
-    # context: a different approximation of the same prompt, compared from the next on.
-    assert outcomes[0].budget_deferred > 0 and outcomes[0].split == 1
     for i, (whole, cut) in enumerate(zip(unsplit, outcomes, strict=True)):
         where = (piece, i)
         assert cut.failures == 0 and cut.fallbacks == 0, where
         assert cut.extend == whole.extend, where
         # Planned once, at its first piece, when SGLang cut it.
         assert cut.split <= (cut.extend > piece), where
-        if i == 0:
-            continue
-        assert cut.budget_deferred == 0, where
         # The same selection: as many positions recomputed and reused as unsplit.
         assert (cut.recomputed, cut.reused) == (whole.recomputed, whole.reused), where
-        if i == len(STEPS):
-            # The later turn's device prefix is the cold request's KV, which differs.
-            continue
         assert cut.tokens == whole.tokens, where
         assert cut.top.keys() == whole.top.keys(), where
         worst = max(abs(cut.top[t] - whole.top[t]) for t in whole.top)

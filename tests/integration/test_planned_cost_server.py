@@ -32,9 +32,8 @@ def hits(d: dict[str, float]) -> float:
 
 
 def test_a_cheap_long_request_is_not_split(server: Server) -> None:
-    # Cold, every chunk a miss: the cost does not fit a piece, and the prompt is cut as
-    # SGLang cuts it (planned whole at its first piece, ``engine.pieces``; phase 1 encodes
-    # the misses that fit that piece, ``engine.piece_budget``).
+    # Cold, every chunk is encoded: the cost does not fit a piece, and the prompt is cut
+    # as SGLang cuts it (planned whole at its first piece, ``engine.pieces``).
     toks, spans = chunked(NAMES, "Name a city.", header="Pelican log.\n")
     assert len(toks) > 2 * PIECE
     _, cold = server.send(body(toks, spans, n=1, policy="full_reuse"))
