@@ -21,10 +21,10 @@ interval overlaps the prompt's time in the server (``gap_s``; all of those gaps 
 chunked over plain of both (``gap_ratio``, ``stretch_ratio``); the summary gives their
 medians. Chunked trials also record the executor's per-batch seconds (its log line:
 assemble + phase 1, select + phase 2), the extend batches SGLang formed, and their
-/metrics: split requests, misses, chunks deferred (by store admission or a piece's
-phase-1 budget) and encoded, recomputed tokens, the selection's seconds (the query probe
-included), fallbacks and failures (``check``: the chunked prompt was taken on the chunk
-path and split, with no fallback or failure).
+/metrics: split requests, misses, chunks deferred by store admission and encoded,
+recomputed tokens, the selection's seconds (the query probe included), fallbacks and
+failures (``check``: the chunked prompt was taken on the chunk path and split, with no
+fallback or failure).
 
 ``--ref-root``: a second server, the same flags, its code from another checkout (the
 commit before a change, ``git worktree add``); both are up and the one not measured is
@@ -65,7 +65,6 @@ METRICS = {
     "split_requests": "sgl_pic_split_requests_total",
     "misses": "sgl_pic_chunk_misses_total",
     "deferred": "sgl_pic_chunk_deferred_total",
-    "budget_deferred": "sgl_pic_chunk_budget_deferred_total",
     "encoded_tokens": "sgl_pic_encoded_tokens_total",
     "recomputed_tokens": "sgl_pic_recomputed_tokens_total",
     "fallbacks": "sgl_pic_fallbacks_total",
