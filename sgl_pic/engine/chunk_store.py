@@ -173,12 +173,21 @@ def _write_rows(
         kv.scatter(dest.slots[a - dest.start : b - dest.start], piece[:, :, a - r0 : b - r0], layer)
 
 
+def _whole_layers(kv: KVAccess, rows: torch.Tensor, s: Slab, values: bool) -> torch.Tensor:
+    """# [layers, n, num_kv_heads, head_dim] K (or V) of slab ``s``'s layers at ``rows``,
+    gathered straight into one tensor."""
+    buffer = kv.pool.get_value_buffer if values else kv.pool.get_key_buffer
+    first = buffer(s.layer)
+    out = first.new_empty((s.layer_end - s.layer, rows.numel(), *first.shape[1:]))
+    for i, layer in enumerate(range(s.layer, s.layer_end)):
+        torch.index_select(buffer(layer), 0, rows, out=out[i])
+    return out
+
+
 def _value_columns(kv: KVAccess, rows: torch.Tensor, s: Slab, columns: int) -> torch.Tensor:
     """# [layers, n, c] V's columns of slab ``s`` (whole layers, or columns of one)."""
     if s.start == 0 and s.end == columns:
-        layers = range(s.layer, s.layer_end)
-        values = [kv.pool.get_value_buffer(i).index_select(0, rows) for i in layers]
-        return torch.stack(values).flatten(2)
+        return _whole_layers(kv, rows, s, values=True).flatten(2)
     buf = kv.pool.get_value_buffer(s.layer)
     column = torch.arange(s.start, s.end, device=kv.device)
     dim = buf.shape[2]
@@ -194,8 +203,7 @@ def _key_columns(kv: KVAccess, rows: torch.Tensor, at: int, s: Slab, units: int)
     n = rows.numel()
     back = -torch.arange(n, device=kv.device)
     if s.start == 0 and s.end == units:
-        layers = range(s.layer, s.layer_end)
-        keys = torch.stack([kv.pool.get_key_buffer(i).index_select(0, rows) for i in layers])
+        keys = _whole_layers(kv, rows, s, values=False)
         if at:
             kv.rotate_in_place(keys, -at)
         return kv.rotated(keys, back).flatten(2)
