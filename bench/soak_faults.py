@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import resource
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from soak_sampler import label
 from soak_server import DiskScan, ServerManager, scan_disk
 from soak_traffic import Client, Traffic
 from soak_windows import Window
@@ -36,8 +38,9 @@ SETTLE_S = 120.0  # longest wait for a fault's after-effect (a write, a reconnec
 
 def errors_of(m: dict[str, float], kinds: tuple[str, ...]) -> float:
     """The store errors of ``kinds`` counted in /metrics reading ``m``."""
-    wanted = tuple(f'kind="{x}"' for x in kinds)
-    return sum(v for k, v in m.items() if k.startswith(STORE_ERRORS) and k.endswith(wanted))
+    return sum(
+        v for k, v in m.items() if k.startswith(STORE_ERRORS + "{") and label(k, "kind") in kinds
+    )
 
 
 def wait_until(check: Any, timeout_s: float) -> float | None:
@@ -65,6 +68,7 @@ class Faults:
     windows: list[Window] = field(default_factory=list)
     scans: dict[str, DiskScan] = field(default_factory=dict)
     store_starts: list[float] = field(default_factory=list)  # when the store (re)started
+    _emptied: threading.Event = field(default_factory=threading.Event)  # ends the filler
     _probe_next: int = 0
 
     @property
@@ -155,22 +159,35 @@ class Faults:
         return w
 
     def _fill(self) -> str:
+        """Fills the mount, and keeps it full until ``_unfill``: the server's own
+        deletions and evictions free space, which the filler takes again at once."""
         assert self.mount is not None
-        path = self.mount / FILLER
-        with open(path, "wb") as f:
-            block = b"\0" * (1 << 20)
-            try:
-                while True:
-                    f.write(block)
-                    f.flush()
-            except OSError:
-                pass
+        self._full = threading.Event()
+        self._filler = threading.Thread(target=self._keep_full, name="filler", daemon=True)
+        self._filler.start()
+        self._full.wait(60.0)
         free = os.statvfs(self.mount).f_bavail
-        return f"filled {self.mount} with {path.stat().st_size} bytes; {free} blocks free"
+        size = (self.mount / FILLER).stat().st_size
+        return f"filled {self.mount} with {size} bytes, kept full; {free} blocks free"
+
+    def _keep_full(self) -> None:
+        assert self.mount is not None
+        block = b"\0" * (64 << 10)
+        with open(self.mount / FILLER, "wb", buffering=0) as f:
+            while not self._emptied.is_set():
+                try:
+                    while f.write(block):
+                        pass
+                except OSError:
+                    self._full.set()
+                self._emptied.wait(0.05)
 
     def _unfill(self) -> None:
         assert self.mount is not None
+        self._emptied.set()
+        self._filler.join()
         (self.mount / FILLER).unlink(missing_ok=True)
+        self._emptied.clear()
 
     def _limit(self, size: int) -> str:
         from soak_sampler import group_pids
