@@ -123,11 +123,12 @@ class PicServerSettings:
         check=int_in(0, 4096),
     )
     phase2_read_budget: float = setting(
-        1.25,
+        0.0,
         "phase-2 runs of a request are merged across their smallest gaps until they read at "
         "most this many times the KV its exact prefill reads, counted with the query tiles of "
         "paged GPU backends (the gaps are recomputed too; the same runs on every backend; "
-        "below 1 it merges them into one); 0: no cap",
+        "below 1 it merges them into one); 0: no cap (long prompts on FlashInfer or FA3 "
+        "read far less with 1.25, short ones recompute far more: bench/RESULTS.md)",
         flag="--pic-phase2-read-budget",
         metavar="X",
         check=in_range(0, 1000),

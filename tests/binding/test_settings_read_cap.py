@@ -23,8 +23,8 @@ def model_config(heads: int, kv_heads: int, head_dim: int) -> SimpleNamespace:
 
 
 def test_the_cap_follows_the_models_group_per_rank() -> None:
-    settings = PicServerSettings(PicConfig())
-    assert settings.phase2_read_budget == 1.25
+    assert PicServerSettings(PicConfig()).phase2_read_budget == 0  # off by default
+    settings = PicServerSettings(PicConfig(), phase2_read_budget=1.25)
     llama3 = model_config(32, 8, 128)
     assert settings.read_cap(llama3, 1) == ReadCap(4, 128, 1.25)
     assert settings.read_cap(llama3, 8) == ReadCap(4, 128, 1.25)

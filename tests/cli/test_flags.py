@@ -63,7 +63,7 @@ ADDED = {
         "dest": "pic_phase2_read_budget",
         "type": "float",
         "choices": None,
-        "default": 1.25,
+        "default": 0.0,
         "metavar": "X",
         "action": "_StoreAction",
     },

@@ -79,10 +79,7 @@ def launch(*args: str, preexec: Any = None) -> Iterator[Server]:
     temporary directory, so no test sees chunks another test (or a user) cached, and it
     stores every missed chunk (``--pic-admission always``): tests of what a miss does must
     not depend on how many novel chunks the tests before them sent, which adaptive
-    admission reads (it has tests of its own, ``test_admission.py``). Phase 2 recomputes
-    exactly the policy's selection (``--pic-phase2-read-budget 0``), which the tests check
-    against the oracle's; the read cap's merges have tests of their own
-    (``tests/engine/test_select.py``)."""
+    admission reads (it has tests of its own, ``test_admission.py``)."""
     extra = (
         []
         if "--pic-disk-cache-dir" in args
@@ -90,7 +87,5 @@ def launch(*args: str, preexec: Any = None) -> Iterator[Server]:
     )
     if "--pic-admission" not in args:
         extra += ["--pic-admission", "always"]
-    if "--pic-phase2-read-budget" not in args:
-        extra += ["--pic-phase2-read-budget", "0"]
     with server_process([*args, *extra], STARTUP_TIMEOUT_S, preexec) as proc:
         yield Server(proc.url, proc.log_path)
