@@ -8,15 +8,14 @@ directory (``gguf_dir``).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import sys
 from pathlib import Path
 
 from sgl_pic.model.gguf_dir import (
     MANIFEST,
     ConvertedModel,
     ensure_converted,
+    main_for,
     sha256_file,
     verify,
 )
@@ -72,14 +71,7 @@ def _verify(target: Path, gguf_sha: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", type=Path, default=None, help="output directory")
-    args = parser.parse_args(argv)
-    model = ensure_embedded_model(args.cache_dir)
-    verb = "converted" if model.converted else "verified"
-    print(f"{verb}: {model.path}", file=sys.stderr)
-    print(model.path)
-    return 0
+    return main_for(ensure_embedded_model, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

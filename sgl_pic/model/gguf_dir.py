@@ -8,11 +8,14 @@ re-verified on each call; a directory that fails it is rebuilt.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -121,3 +124,17 @@ def _convert(gguf: Path, out: Path, architecture: str) -> None:
     tok.save_pretrained(out)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
+
+
+def main_for(
+    ensure: Callable[[Path | None], ConvertedModel], description: str, argv: list[str] | None
+) -> int:
+    """The command line of a converted model: ``--cache-dir``, converts if needed, prints
+    the directory."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cache-dir", type=Path, default=None, help="output directory")
+    model = ensure(parser.parse_args(argv).cache_dir)
+    verb = "converted" if model.converted else "verified"
+    print(f"{verb}: {model.path}", file=sys.stderr)
+    print(model.path)
+    return 0
