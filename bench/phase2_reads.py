@@ -6,7 +6,8 @@ per KV head and layer; checked against the backends' real planning in
 tests/binding/test_backend_reads.py). Each request is planned as its own batch: one
 sub-request per run (``runs_of`` of the selection, no merge gap), and its exact prefill
 as one sub-request; the ratio is the first over the second. "Capped" runs are
-``select.bound_runs`` at each ``--budgets`` value, with the cap's tiles for each model
+``select.bound_runs`` at each ``--budgets`` value, binding prompts of at least
+``--min-tokens`` (both default to the server's), with the cap's tiles for each model
 shape; the first budget is the fidelity run's.
 
 Selections are the default policy's (query_aware, its default settings), made by the
@@ -33,7 +34,8 @@ budget, both recomputed by the oracle, on ``--examples`` held-out prompts of the
 benchmark's default shape (8 passages of at most 256 tokens) and on the first
 ``--long-fidelity`` 8k prompts.
 
-    python bench/phase2_reads.py --budgets 1.25 1.4 --threads 2
+    python bench/phase2_reads.py --threads 2                 # the server's defaults
+    python bench/phase2_reads.py --selections bench/results/phase2_reads.json  # no 8k runs
 """
 
 from __future__ import annotations
@@ -181,13 +183,15 @@ def whole(ch: Chosen) -> tuple[int, list[int]]:
     return pos, positions
 
 
-def read_records(label: str, n: int, sel: list[int], budgets: list[float]) -> list[dict[str, Any]]:
+def read_records(
+    label: str, n: int, sel: list[int], budgets: list[float], min_tokens: int
+) -> list[dict[str, Any]]:
     """One record per budget and model shape: runs, recomputed tokens and each backend's
-    planned reads over exact prefill's, uncapped and capped."""
+    planned reads over exact prefill's, uncapped and capped (from ``min_tokens`` on)."""
     runs = runs_of(torch.tensor(sel, dtype=torch.int64))
     out = []
     for budget, (name, shape) in itertools.product(budgets, SHAPES.items()):
-        cap = read_cap(shape.group, shape.head_dim, budget)
+        cap = read_cap(shape.group, shape.head_dim, budget, min_tokens)
         capped = bound_runs(list(runs), 0, n, cap)
         rec: dict[str, Any] = {
             "case": label,
@@ -197,6 +201,8 @@ def read_records(label: str, n: int, sel: list[int], budgets: list[float]) -> li
             "head_dim": shape.head_dim,
             "cap_tiles": None if cap is None else list(cap.tiles),
             "budget": budget,
+            "min_tokens": min_tokens,
+            "binds": cap is not None and cap.binds(n),
             "runs": len(runs),
             "runs_capped": len(capped),
             "recomputed": len(sel) / n,
@@ -220,13 +226,14 @@ def fidelity_rows(
     oracle: Oracle,
     prompts: list[tuple[int, ChunkedPrompt]],
     budget: float,
+    min_tokens: int,
     on_row: Callable[[list[dict[str, Any]]], None],
 ) -> list[dict[str, Any]]:
     """Per (example, prompt): query_aware's first-token KL to exact prefill, uncapped and
-    capped at ``budget`` for the embedded model's shape; ``on_row`` sees the rows so far
-    after each."""
+    capped at ``budget`` (from ``min_tokens`` on) for the embedded model's shape;
+    ``on_row`` sees the rows so far after each."""
     config = PicConfig()
-    cap = read_cap(*EMBEDDED_SHAPE, budget)
+    cap = read_cap(*EMBEDDED_SHAPE, budget, min_tokens)
     rows = []
     for i, prompt in prompts:
         ids, n = prompt.token_ids, prompt.layout.num_tokens
@@ -309,13 +316,13 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], object]) -> d
             print(f"selection {i}: {prompt.layout.num_tokens} tokens", flush=True)
     for k, ch in enumerate(chosen):
         n, sel = whole(ch)
-        records += read_records(f"real {args.first + k}", n, sel, args.budgets)
+        records += read_records(f"real {args.first + k}", n, sel, args.budgets, args.min_tokens)
     for length in LENGTHS[1:]:
         for k in range(len(chosen)):
             # Each tiled prompt starts from a different real one.
             n, sel = tiled(chosen[k:] + chosen[:k], length)
             label = f"tiled {length} from {args.first + k}"
-            records += read_records(label, n, sel, args.budgets)
+            records += read_records(label, n, sel, args.budgets, args.min_tokens)
     result: dict[str, Any] = {
         "benchmark": "phase2_reads",
         "commit": state.commit,
@@ -346,12 +353,13 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], object]) -> d
         return on_row
 
     budget = args.budgets[0]
-    fidelity_rows(oracle, held_out(tokenizer, examples, args), budget, progress("fidelity"))
+    held = held_out(tokenizer, examples, args)
+    fidelity_rows(oracle, held, budget, args.min_tokens, progress("fidelity"))
     long = [
         (i, long_prompt(tokenizer, examples, i, args.long_tokens))
         for i in range(args.first, args.first + args.long_fidelity)
     ]
-    fidelity_rows(oracle, long, budget, progress("fidelity_long"))
+    fidelity_rows(oracle, long, budget, args.min_tokens, progress("fidelity_long"))
     result["complete"] = True
     result["wall_s"] = time.perf_counter() - started
     save(result)
@@ -426,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[PicServerSettings(PicConfig()).phase2_read_budget],
         help="the cap's read budgets (--pic-phase2-read-budget; default: the server's); "
         "fidelity runs at the first",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=PicServerSettings(PicConfig()).phase2_read_min_tokens,
+        help="shortest request the cap binds (--pic-phase2-read-min-tokens; default: the server's)",
     )
     p.add_argument(
         "--long-fidelity", type=int, default=2, help="of the 8k prompts, those for fidelity"

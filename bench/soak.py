@@ -11,7 +11,8 @@ keeps its disk tier on a small tmpfs mounted for the run (``--disk-mb``), server
 temporary directory. Both get ``--chunked-prefill-size 512`` (the CPU default is 4096: the
 long prompts then need far fewer passages to span several prefill pieces), a 256 MiB host
 tier, per-namespace metrics (the host/disk tier bytes the sampler reads) and
-``--pic-auto-chunk tool,document``, before ``--server-args``.
+``--pic-auto-chunk tool,document``, before ``--server-args``; each its share of the
+machine's cores as its OpenMP team (``OMP_NUM_THREADS``: they stand for two machines).
 
 Clients (``--clients``, or the ramp's choice with ``--find-concurrency``) send the mix of
 ``soak_traffic`` to either server at random, as one of ``--tenants`` tenants or none; a
@@ -38,6 +39,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -241,6 +243,13 @@ def soak_kind_stats(s: dict[str, Any]) -> dict[str, Any]:
     return {k: KindStats(**v) for k, v in s["per_kind"].items()}
 
 
+def server_threads(servers: int) -> dict[str, str]:
+    """Each server's share of this machine's cores as its OpenMP team: the servers stand
+    for separate machines, and two servers spinning a team of every core each on the same
+    cores slow every forward severalfold."""
+    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // servers))}
+
+
 def main() -> int:
     ap = options()
     if ap.parse_args().smoke:
@@ -249,6 +258,8 @@ def main() -> int:
     # SGLang's frontend warns with a traceback on every failed request while a server is
     # down; each is recorded already.
     warnings.filterwarnings("ignore", message="Error in stream_executor")
+    # A SIGTERM ends the run as Ctrl-C does: the servers, the store and the mount go too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     commit, dirty = git_state()
     load = os.getloadavg()
     print(f"load average at start: {load}", flush=True)
@@ -286,8 +297,9 @@ def main() -> int:
         common += shlex.split(args.server_args)
         events: list[ServerEvent] = []
         disks = [mount / "tier", b_disk][: 1 if store is None else 2]
+        threads = server_threads(len(disks))
         servers = [
-            ServerManager(name, [*common, "--pic-disk-cache-dir", str(d)], d, now, events)
+            ServerManager(name, [*common, "--pic-disk-cache-dir", str(d)], d, now, events, threads)
             for name, d in zip("ab", disks, strict=False)
         ]
         starters = [threading.Thread(target=s.start) for s in servers]
@@ -351,6 +363,7 @@ def main() -> int:
         "git_dirty": dirty,
         "load_average_at_start": load,
         "disk_on_tmpfs": mounted,
+        "server_env": threads,
         "settings": {**vars(args), "server_args": common, "mix": MIX, "prefill_piece": piece},
         "concurrency": {
             "clients": clients,

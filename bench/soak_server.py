@@ -30,8 +30,9 @@ class ServerEvent(NamedTuple):
 
 class ServerManager:
     """One server: ``name`` (a, b), its launch ``args``, its disk tier ``disk`` (None:
-    none). ``up`` is set while a healthy server is serving ``url``; ``generation`` counts
-    its launches; ``started_at`` says when each launch began serving."""
+    none), ``env`` added to its environment. ``up`` is set while a healthy server is
+    serving ``url``; ``generation`` counts its launches; ``started_at`` says when each
+    launch began serving."""
 
     def __init__(
         self,
@@ -40,8 +41,10 @@ class ServerManager:
         disk: Path | None,
         now: Callable[[], float],
         events: list[ServerEvent],
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.env = dict(env or {})
         self.args = args
         self.disk = disk
         self._now = now
@@ -69,7 +72,7 @@ class ServerManager:
             server_process(
                 self.args,
                 STARTUP_TIMEOUT_S,
-                env=server_env(),
+                env=server_env(extra=self.env),
                 cwd=str(ROOT),
                 log_prefix=f"sgl_pic_soak_{self.name}_",
             )

@@ -149,8 +149,10 @@ class PhaseRunner:
         req_to_token: torch.Tensor,  # [max_reqs, max_len]
         translator: Any | None,
         req_pool: Any | None,  # SGLang's ReqToTokenPool, for phase 1's scratch rows
+        model_runner: Any | None = None,  # SGLang's ModelRunner: its streams and WAR fence
     ) -> None:
         self.backend = backend
+        self.model_runner = model_runner
         self._planner = extend_backend(backend)
         self._flashinfer = _is_instance(self._planner, _FLASHINFER, "FlashInferAttnBackend")
         self.req_to_token = req_to_token
@@ -258,12 +260,12 @@ class PhaseRunner:
         return self.req_pool.alloc_rows(n)
 
     def free_rows(self, rows: list[int]) -> None:
+        """Gives ``rows`` back to SGLang's request table once nothing queued still reads
+        them, without waiting on the host (``fence_reads``)."""
         if not rows or self.req_pool is None:
             return
         if self.req_to_token.is_cuda:
-            # The next batch may take these rows and rewrite them: the kernels that read
-            # them must have run first.
-            torch.cuda.current_stream(self.req_to_token.device).synchronize()
+            fence_reads(self.model_runner, self.req_to_token.device)
         self.req_pool.free_rows(rows)
 
     def layer_start(self, layer: int) -> None:
@@ -289,3 +291,24 @@ class PhaseRunner:
         if self.context is not None:
             for fn in self.context.after_attention:
                 fn(layer, module, q)
+
+
+def fence_reads(model_runner: Any | None, device: torch.device) -> None:
+    """Orders SGLang's next writes to the request table after every kernel queued so far
+    on this stream, with no host wait. SGLang's overlap scheduler prepares the next batch
+    on its schedule stream while the forward stream may still run, and fences it after
+    each forward (``Scheduler._apply_war_barrier``): on the runner's published read-done
+    event, recorded after the live batch's metadata (before any phase kernel), or, when
+    none is published, on the whole forward stream. Inside a forward this re-records that
+    event here, after the phase kernels; outside one (the schedule stream) the current
+    stream waits for the forward stream. Without both streams known: a stream sync."""
+    current = torch.cuda.current_stream(device)
+    forward = getattr(model_runner, "forward_stream", None)
+    if forward is None:
+        current.synchronize()
+    elif current == forward:
+        event = model_runner.shared_read_done_event
+        if event is not None:
+            event.record(current)
+    else:
+        current.wait_stream(forward)

@@ -178,6 +178,7 @@ def build_tree_cache(ctx: Any) -> Any:
         ctx.params.req_to_token_pool.req_to_token,
         getattr(runner, "kv_index_translator", None),
         ctx.params.req_to_token_pool,
+        runner,
     )
     deleter = Deleter(cache.chunk_nodes, cache, lower.store if lower is not None else None, metrics)
     # A request admitted before a deletion and matched after it moves to the fresh tree

@@ -123,15 +123,23 @@ class PicServerSettings:
         check=int_in(0, 4096),
     )
     phase2_read_budget: float = setting(
-        0.0,
-        "phase-2 runs of a request are merged across their smallest gaps until they read at "
-        "most this many times the KV its exact prefill reads, counted with the query tiles of "
-        "paged GPU backends (the gaps are recomputed too; the same runs on every backend; "
-        "below 1 it merges them into one); 0: no cap (long prompts on FlashInfer or FA3 "
-        "read far less with 1.25, short ones recompute far more: bench/RESULTS.md)",
+        1.4,
+        "a request of at least --pic-phase2-read-min-tokens tokens has its phase-2 runs "
+        "merged across their smallest gaps until they read at most this many times the KV "
+        "its exact prefill reads, counted with the query tiles of paged GPU backends (the "
+        "gaps are recomputed too; the same runs on every backend; below 1 it merges them "
+        "into one); 0: no cap",
         flag="--pic-phase2-read-budget",
         metavar="X",
         check=in_range(0, 1000),
+    )
+    phase2_read_min_tokens: int = setting(
+        8192,
+        "shortest request the phase-2 read cap binds: below it a layer's prefix KV is small "
+        "enough that re-reading it per run costs less than recomputing the merged gaps",
+        flag="--pic-phase2-read-min-tokens",
+        metavar="N",
+        check=int_in(0),
     )
     max_body_mb: int = setting(
         64,
@@ -253,7 +261,12 @@ class PicServerSettings:
         tiles)."""
         heads = max(1, int(model_config.num_attention_heads) // tp_size)
         group = heads // max(1, int(model_config.get_num_kv_heads(tp_size)))
-        return read_cap(group, int(model_config.head_dim), self.phase2_read_budget)
+        return read_cap(
+            group,
+            int(model_config.head_dim),
+            self.phase2_read_budget,
+            self.phase2_read_min_tokens,
+        )
 
     @property
     def has_lower_tiers(self) -> bool:

@@ -132,16 +132,23 @@ FLASHINFER_ROWS: tuple[int, ...] = (16, 64, 128)
 
 
 class ReadCap(NamedTuple):
-    """Phase 2's bound, the same on every backend: a request's runs, planned as a batch of
-    their own, read at most ``budget`` times its exact prefill on FA3's plan and on
-    FlashInfer's (whichever tile the runs' average length makes it pick), for a model of
-    ``group`` query heads per KV head and ``head_dim``. Counted by ``reference_reads``
-    in whole tokens per tile (rows // group: a close approximation where the group does
-    not divide the rows); its budget leaves room for that and for FA3's KV blocks."""
+    """Phase 2's bound, the same on every backend: a request of at least ``min_tokens``
+    tokens has its runs, planned as a batch of their own, read at most ``budget`` times
+    its exact prefill on FA3's plan and on FlashInfer's (whichever tile the runs' average
+    length makes it pick), for a model of ``group`` query heads per KV head and
+    ``head_dim``. Counted by ``reference_reads`` in whole tokens per tile (rows // group:
+    a close approximation where the group does not divide the rows); its budget leaves
+    room for that and for FA3's KV blocks. Shorter requests are not bounded: their
+    prefix reads are small next to the recomputation merging would add."""
 
     group: int
     head_dim: int
     budget: float
+    min_tokens: int = 0
+
+    def binds(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens is bounded."""
+        return num_tokens >= self.min_tokens
 
     @property
     def tiles(self) -> tuple[int, ...]:
@@ -174,7 +181,8 @@ class ReadCap(NamedTuple):
         return reads[0] <= limits[0] and reads[fi] <= limits[1]
 
 
-def read_cap(group: int, head_dim: int, budget: float) -> ReadCap | None:
+def read_cap(group: int, head_dim: int, budget: float, min_tokens: int = 0) -> ReadCap | None:
     """The cap for a model of ``group`` query heads per KV head (per rank) and
-    ``head_dim``; None when ``budget`` is 0 (no cap)."""
-    return ReadCap(max(1, group), head_dim, budget) if budget > 0 else None
+    ``head_dim``, binding requests of at least ``min_tokens`` tokens; None when ``budget``
+    is 0 (no cap)."""
+    return ReadCap(max(1, group), head_dim, budget, min_tokens) if budget > 0 else None

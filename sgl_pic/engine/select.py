@@ -81,10 +81,11 @@ class Select:
 def bound_runs(runs: list[Run], prefix: int, num_tokens: int, cap: ReadCap | None) -> list[Run]:
     """``runs`` of one request (positions prefix..num_tokens-1 past its device prefix)
     merged across their smallest gaps first (ties: the later gap, whose run reads more)
-    until ``cap`` holds (``ReadCap.holds``); unchanged when it already does or ``cap`` is
-    None. All merged, one run reads about what exact prefill reads, so the loop ends. The
-    caller brings the plan's selection and stats in line (``merged``)."""
-    if cap is None or len(runs) <= 1:
+    until ``cap`` holds (``ReadCap.holds``); unchanged when it already does, when ``cap``
+    is None or does not bind a request of ``num_tokens`` (``ReadCap.binds``). All merged,
+    one run reads about what exact prefill reads, so the loop ends. The caller brings the
+    plan's selection and stats in line (``merged``)."""
+    if cap is None or len(runs) <= 1 or not cap.binds(num_tokens):
         return runs
     limits = cap.limits(prefix, num_tokens)
     reads = [cap.reads(a, z - a) for a, z in runs]

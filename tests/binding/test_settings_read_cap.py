@@ -23,9 +23,10 @@ def model_config(heads: int, kv_heads: int, head_dim: int) -> SimpleNamespace:
 
 
 def test_the_cap_follows_the_models_group_per_rank() -> None:
-    assert PicServerSettings(PicConfig()).phase2_read_budget == 0  # off by default
-    settings = PicServerSettings(PicConfig(), phase2_read_budget=1.25)
     llama3 = model_config(32, 8, 128)
+    default = PicServerSettings(PicConfig())
+    assert default.read_cap(llama3, 1) == ReadCap(4, 128, 1.4, 8192)  # on by default
+    settings = PicServerSettings(PicConfig(), phase2_read_budget=1.25, phase2_read_min_tokens=0)
     assert settings.read_cap(llama3, 1) == ReadCap(4, 128, 1.25)
     assert settings.read_cap(llama3, 8) == ReadCap(4, 128, 1.25)
     # 16 ranks: 2 query heads and 1 (replicated) KV head each.
@@ -38,3 +39,8 @@ def test_the_cap_follows_the_models_group_per_rank() -> None:
 def test_a_budget_is_in_range(bad: float) -> None:
     with pytest.raises(ValueError, match=r"phase2_read_budget must be in \[0, 1000\]"):
         PicServerSettings(PicConfig(), phase2_read_budget=bad)
+
+
+def test_the_floor_is_a_count_of_tokens() -> None:
+    with pytest.raises(ValueError, match="phase2_read_min_tokens must be an int >= 0"):
+        PicServerSettings(PicConfig(), phase2_read_min_tokens=-1)

@@ -63,8 +63,17 @@ ADDED = {
         "dest": "pic_phase2_read_budget",
         "type": "float",
         "choices": None,
-        "default": 0.0,
+        "default": 1.4,
         "metavar": "X",
+        "action": "_StoreAction",
+    },
+    ("--pic-phase2-read-min-tokens",): {
+        "option_strings": ["--pic-phase2-read-min-tokens"],
+        "dest": "pic_phase2_read_min_tokens",
+        "type": "int",
+        "choices": None,
+        "default": 8192,
+        "metavar": "N",
         "action": "_StoreAction",
     },
 }

@@ -70,6 +70,17 @@ def test_capped_runs_cover_the_selection_and_read_within_budget_on_both_plans() 
         assert 1 < len(capped) < len(runs)
 
 
+def test_the_cap_binds_from_its_floor_on() -> None:
+    n = 8192
+    runs = spread(n)
+    below = read_cap(4, 128, 1.25, min_tokens=n + 1)
+    assert below is not None and not below.binds(n)
+    assert bound_runs(runs, 0, n, below) is runs
+    at = bound_runs(runs, 0, n, read_cap(4, 128, 1.25, min_tokens=n))
+    assert len(at) < len(runs)
+    assert at == bound_runs(runs, 0, n, read_cap(4, 128, 1.25))
+
+
 def test_smallest_gaps_merge_first() -> None:
     # Gaps of 1, 5 and 3 tokens far along a 1013-token prompt: four runs read about
     # 4 x 1000 keys, over the 3893 of exact prefill's six 192-token tiles (FA3, head_dim
