@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_out_option, git_state, write_json  # noqa: E402
 
-from sgl_pic.binding.model_rope import ModelRope  # noqa: E402
 from sgl_pic.engine.kv_access import KVAccess  # noqa: E402
+from sgl_pic.engine.rotation import ModelRope  # noqa: E402
 from sgl_pic.rope import default_inv_freq  # noqa: E402
 
 POOL_SLOTS = 40_000

@@ -140,9 +140,9 @@ def _store_and_placements(gen: torch.Generator) -> tuple[Any, list[Any], str, An
 
 
 def check_layer_feed(device: str) -> dict[str, Any]:
-    from sgl_pic.binding.model_rope import ModelRope
     from sgl_pic.engine.kv_access import KVAccess
     from sgl_pic.engine.layer_feed import CudaHandoff, LayerFeed
+    from sgl_pic.engine.rotation import ModelRope
     from sgl_pic.store.loader import LoaderConfig, SparseLoader
 
     gen = torch.Generator().manual_seed(2)
@@ -208,9 +208,9 @@ def _feed_does_not_sync(
     """A long device sleep queued on the side stream before the last layer's copy:
     before_layer must return while it still runs (no host sync), and the rows the
     forward stream then writes must still be the loaded ones (it waited on the event)."""
-    from sgl_pic.binding.model_rope import ModelRope
     from sgl_pic.engine.kv_access import KVAccess
     from sgl_pic.engine.layer_feed import LayerFeed
+    from sgl_pic.engine.rotation import ModelRope
     from sgl_pic.store.loader import LoaderConfig, SparseLoader
 
     class SlowLoader(SparseLoader):
@@ -240,8 +240,8 @@ def _feed_does_not_sync(
 
 
 def check_kv_access(device: str) -> dict[str, Any]:
-    from sgl_pic.binding.model_rope import ModelRope
     from sgl_pic.engine.kv_access import KVAccess
+    from sgl_pic.engine.rotation import ModelRope
 
     gen = torch.Generator().manual_seed(4)
     inv_freq = default_inv_freq(DIM, THETA)

@@ -65,9 +65,9 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-from sgl_pic.binding.phases import Run, runs_of  # noqa: E402
 from sgl_pic.binding.settings import PicServerSettings  # noqa: E402
 from sgl_pic.config import PicConfig  # noqa: E402
+from sgl_pic.core.runs import Run, runs_of
 from sgl_pic.engine.kv_reads import (  # noqa: E402
     BACKENDS,
     AttnShape,

@@ -127,7 +127,7 @@ def profile(
     if form != "pic":
         # SGLang's extend: each request's tokens past its cached prefix. (Imported here:
         # the module imports torch, and --help answers without it.)
-        from sgl_pic.binding.phases import SubRequest, attended_keys
+        from sgl_pic.core.runs import SubRequest, attended_keys
 
         subs = [SubRequest(0, r["cached"], r["prompt"] - r["cached"]) for r in res["records"]]
         keys_per_query = {"extend": attended_keys(subs) / max(computed, 1)}

@@ -13,7 +13,7 @@ by its parent segment's key plus its own tokens (DARIC 3.3.2), so segment i of a
 is only found when segments 0..i-1 match too.
 
 Every key also names the request's isolation namespace (its tenant: SGLang's
-``extra_key`` and ``cache_salt``, see ``sgl_pic.engine.tenants``), so a chunk one
+``extra_key`` and ``cache_salt``, see ``sgl_pic.core.tenants``), so a chunk one
 tenant stored is never found by another, in any tier; requests without either share the
 default namespace "".
 

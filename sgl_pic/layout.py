@@ -8,6 +8,7 @@ always computed in full, as an engine prefills uncached text.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -15,6 +16,23 @@ from typing import NamedTuple
 
 class LayoutError(ValueError):
     """Malformed chunk marks: unbalanced, overlapping, out of range or empty."""
+
+
+# A lone UTF-16 surrogate: what json.loads makes of an unpaired "\ud800" escape (a pair
+# becomes one code point). Not valid Unicode: it cannot be encoded as UTF-8 or tokenized.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, where: str) -> None:
+    """Raises LayoutError when ``text`` holds a lone UTF-16 surrogate (not valid Unicode:
+    it cannot be encoded as UTF-8, nor tokenized)."""
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise LayoutError(
+            f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate "
+            f"({m.group()!r} at character {m.start()}); send each surrogate in a pair, or the "
+            "character itself as UTF-8"
+        )
 
 
 @dataclass(frozen=True)

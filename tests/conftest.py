@@ -89,6 +89,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def metrics():  # noqa: ANN201 - PicMetrics, imported lazily (it needs prometheus_client)
     """The one PicMetrics of the test process: Prometheus names are global, so a second
     registration in the same process fails. Tests read deltas of it."""
-    from sgl_pic.binding.metrics import PicMetrics
+    from sgl_pic.core.metrics import PicMetrics
 
     return PicMetrics()

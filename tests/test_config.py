@@ -77,7 +77,7 @@ def test_every_field_is_declared_once_in_field_order() -> None:
 
 
 def test_requests_may_override_what_they_could_before() -> None:
-    # The set sgl_pic.http.spans.OVERRIDABLE listed at f33133e.
+    # The set sgl_pic.core.spans.OVERRIDABLE listed at f33133e.
     assert {
         "policy", "daric_r", "daric_n_avg", "daric_mtaf", "daric_max_iters", "epic_k",
         "cacheblend_ratio", "cachetune_r", "qa_ratio", "qa_min_tokens", "qa_sink_tokens",
@@ -91,7 +91,7 @@ def test_requests_may_override_what_they_could_before() -> None:
 
 
 def test_the_http_edge_allows_exactly_the_declared_overrides() -> None:
-    from sgl_pic.http.spans import OVERRIDABLE
+    from sgl_pic.core.spans import OVERRIDABLE
 
     assert OVERRIDABLE == REQUEST_OVERRIDES
 

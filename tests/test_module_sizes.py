@@ -1,7 +1,8 @@
-"""Modules of sgl_pic stay small enough to read: at most 400 lines, and no class over 250.
+"""Functions and classes of sgl_pic stay small enough to read: no function over 60 lines
+and no class over 250, modules as long as their one concept needs.
 
-An exception is named here and explained in its own module's docstring (the docstring
-must name the class and say "stays over"), so a new one is a decision, not a drift.
+An exception is named here with why it stays long (a class's module docstring must also
+name the class and say "stays over"), so a new one is a decision, not a drift.
 """
 
 from __future__ import annotations
@@ -12,42 +13,65 @@ from pathlib import Path
 import sgl_pic
 
 PACKAGE = Path(sgl_pic.__file__).parent
-MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 250
+# "module (relative to sgl_pic/):function" -> why it stays over MAX_FUNCTION_LINES
+ALLOWED_FUNCTIONS: dict[str, str] = {
+    "binding/model_hooks.py:install": "not split yet",
+    "binding/phase_batch.py:build_phase_batch": "not split yet",
+    "cli/check.py:_checks": "not split yet",
+    "cli/server_process.py:server_process": "not split yet",
+    "core/gate.py:_admit": "not split yet",
+    "engine/executor.py:_attempts": "not split yet",
+    "engine/planner.py:classify": "not split yet",
+    "http/chat_chunks.py:chat_prompt": "not split yet",
+    "http/chat_render.py:chat_inputs": "not split yet",
+    "ops/cuda_build.py:build_library": "not split yet",
+    "store/disk.py:put": "not split yet",
+    "store/record_header.py:parse_header": "not split yet",
+    "store/shared_writer.py:put": "not split yet",
+}
 # module (relative to sgl_pic/) -> the class allowed over MAX_CLASS_LINES
 ALLOWED_CLASSES = {
     "store/disk.py": "DiskStore",
-    "binding/metric_series.py": "PicSeries",  # the table of series declarations
+    "core/metric_series.py": "PicSeries",  # the table of series declarations
     "engine/chunk_nodes.py": "ChunkNodeTable",  # the one owner of the node index
 }
 
 
-def _sizes() -> tuple[list[str], list[str]]:
-    long_modules, long_classes = [], []
+def _trees() -> list[tuple[str, str, ast.Module]]:
+    out = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
         source = path.read_text()
-        if source.count("\n") > MAX_MODULE_LINES:
-            long_modules.append(f"{rel}: {source.count(chr(10))} lines")
-        tree = ast.parse(source)
-        doc = ast.get_docstring(tree) or ""
+        out.append((path.relative_to(PACKAGE).as_posix(), source, ast.parse(source)))
+    return out
+
+
+def _lines(node: ast.AST) -> int:
+    return (node.end_lineno or node.lineno) - node.lineno + 1  # type: ignore[attr-defined]
+
+
+def test_no_function_over_the_limit_unless_named() -> None:
+    long = {}
+    for rel, _, tree in _trees():
         for node in ast.walk(tree):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            n = (node.end_lineno or node.lineno) - node.lineno + 1
-            if n <= MAX_CLASS_LINES:
-                continue
-            if ALLOWED_CLASSES.get(rel) == node.name and node.name in doc and "stays over" in doc:
-                continue
-            long_classes.append(f"{rel}: class {node.name}, {n} lines")
-    return long_modules, long_classes
-
-
-def test_no_module_over_the_limit() -> None:
-    long_modules, _ = _sizes()
-    assert not long_modules, long_modules
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if _lines(node) > MAX_FUNCTION_LINES:
+                    long[f"{rel}:{node.name}"] = _lines(node)
+    unexpected = {name: n for name, n in long.items() if name not in ALLOWED_FUNCTIONS}
+    assert not unexpected, unexpected
+    gone = [name for name in ALLOWED_FUNCTIONS if name not in long]
+    assert not gone, f"within the limit now, remove from ALLOWED_FUNCTIONS: {gone}"
 
 
 def test_no_class_over_the_limit_unless_named_and_explained() -> None:
-    _, long_classes = _sizes()
+    long_classes = []
+    for rel, _, tree in _trees():
+        doc = ast.get_docstring(tree) or ""
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or _lines(node) <= MAX_CLASS_LINES:
+                continue
+            if ALLOWED_CLASSES.get(rel) == node.name and node.name in doc and "stays over" in doc:
+                continue
+            long_classes.append(f"{rel}: class {node.name}, {_lines(node)} lines")
     assert not long_classes, long_classes

@@ -41,8 +41,8 @@ from typing import Any
 from sglang.srt.managers.schedule_batch import compute_extend_logprob_start_len
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
-from sgl_pic.binding.gate import AdmittedMarks
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import AdmittedMarks
 from sgl_pic.engine.planned_cost import PlannedCost, TierPresence
 
 logger = logging.getLogger(__name__)

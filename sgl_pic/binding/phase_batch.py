@@ -2,7 +2,7 @@
 ``ForwardBatch`` built from the live one for them (``build_phase_batch``).
 
 Split from ``phases`` (which runs these batches): this is the data a phase forward is
-made of, with the host-to-device copy it needs (``to_device``).
+made of (its sub-requests: ``core.runs``).
 """
 
 from __future__ import annotations
@@ -14,40 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-
-class SubRequest(NamedTuple):
-    """Queries at positions prefix..prefix+extend-1 of ``req_to_token[pool_idx]``; keys
-    are that row's first prefix+extend slots, and the queries' K/V go to the row's slots
-    prefix..prefix+extend-1."""
-
-    pool_idx: int
-    prefix: int
-    extend: int
-
-
-def attended_keys(subs: Sequence[SubRequest]) -> int:
-    """Keys the queries of ``subs`` attend, summed: a query at position p sees its row's
-    first p + 1 keys. Over the number of queries it is the attention work per computed
-    token, which for a prompt prefilled whole is (len + 1) / 2."""
-    return sum(s.extend * s.prefix + s.extend * (s.extend + 1) // 2 for s in subs)
-
-
-def pinnable(device: torch.device) -> bool:
-    """Whether copies to ``device`` go through pinned host memory: CUDA's only (on a CPU
-    "device" there is nothing to copy)."""
-    return device.type == "cuda"
-
-
-def to_device(
-    host: torch.Tensor,  # [...] host tensor
-    device: torch.device,
-) -> torch.Tensor:
-    """# [...] ``host`` on ``device``, without the host waiting: a copy from pageable
-    memory blocks until the stream reaches it, one from pinned memory with ``non_blocking``
-    does not (the caching host allocator keeps the pinned block until the copy has run)."""
-    if not pinnable(device):
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+from sgl_pic.core.runs import SubRequest
+from sgl_pic.engine.device_copy import to_device
 
 
 class PhaseBatch(NamedTuple):

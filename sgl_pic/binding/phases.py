@@ -27,63 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from sgl_pic.binding.attention import AttnGroup, row_groups
-from sgl_pic.binding.phase_batch import (
-    PhaseBatch,
-    SubRequest,
-    attended_keys,
-    build_phase_batch,
-    pinnable,
-    to_device,
-)
-
-# The phase batch's types and builder live in ``phase_batch``; named here too, where
-# callers have always found them.
-__all__ = [
-    "AttentionFn",
-    "LayerFn",
-    "PhaseBatch",
-    "PhaseContext",
-    "PhaseRunner",
-    "Run",
-    "SubRequest",
-    "attended_keys",
-    "build_phase_batch",
-    "extend_backend",
-    "pinnable",
-    "runs_of",
-    "to_device",
-]
-
-
-class Run(NamedTuple):
-    """Positions start..end-1 of one request, recomputed as one sub-request."""
-
-    start: int
-    end: int
-
-
-def runs_of(positions: torch.Tensor, merge_gap: int = 0) -> list[Run]:
-    """Half-open runs [start, end) covering the sorted distinct ``positions`` (# [k]);
-    runs separated by at most ``merge_gap`` unselected tokens become one (those tokens
-    are then recomputed too, which only brings the result closer to exact)."""
-    if positions.numel() == 0:
-        return []
-    pos = positions.tolist()
-    runs = [[pos[0], pos[0] + 1]]
-    for p in pos[1:]:
-        if p - runs[-1][1] <= merge_gap:
-            runs[-1][1] = p + 1
-        else:
-            runs.append([p, p + 1])
-    return [Run(a, b) for a, b in runs]
-
+from sgl_pic.binding.phase_batch import PhaseBatch, build_phase_batch
+from sgl_pic.core.runs import SubRequest
+from sgl_pic.engine.phase_port import AttentionFn, LayerFn, Stack
 
 _HYBRID = "sglang.srt.layers.attention.hybrid_attn_backend"
 _FLASHINFER = "sglang.srt.layers.attention.flashinfer_backend"
@@ -105,11 +58,6 @@ def extend_backend(backend: Any) -> Any:  # sglang AttentionBackend
     if _is_instance(backend, _HYBRID, "HybridAttnBackend"):
         return backend.prefill_backend
     return backend
-
-
-LayerFn = Callable[[int], None]
-# (layer, RadixAttention, its post-RoPE queries # [n, heads * head_dim])
-AttentionFn = Callable[[int, Any, "torch.Tensor | None"], None]
 
 
 @dataclasses.dataclass
@@ -225,7 +173,7 @@ class PhaseRunner:
 
     def run(
         self,
-        stack: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
+        stack: Stack,
         phase: PhaseBatch,
         before_layer: Sequence[LayerFn] = (),
         after_layer: Sequence[LayerFn] = (),

@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 
-from sgl_pic.binding.drift_signal import DriftSignal
-from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks, Pending
-from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.binding.phases import PhaseRunner
+from sgl_pic.core.drift_signal import DriftSignal
+from sgl_pic.core.gate import AdmissionGate, AdmittedMarks, Pending
+from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.engine.executor import ChunkExecutor
 from sgl_pic.engine.rank_agreement import PeerFailed, RankAgreement
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,8 @@ class PicRuntime:
         self,
         gate: AdmissionGate,
         metrics: PicMetrics,
-        executor: Any = None,
-        phases: Any = None,
+        executor: ChunkExecutor | None = None,
+        phases: PhaseRunner | None = None,
         drift: DriftSignal | None = None,
     ) -> None:
         self.gate = gate

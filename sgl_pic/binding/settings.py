@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sgl_pic.config import PicConfig
+from sgl_pic.core.tenants import TenantPolicy, parse_names
 from sgl_pic.declare import (
     Check,
     Override,
@@ -28,7 +29,6 @@ from sgl_pic.declare import (
 )
 from sgl_pic.engine.kv_reads import ReadCap, read_cap
 from sgl_pic.engine.layer_feed import FEED_MODES
-from sgl_pic.engine.tenants import TenantPolicy, parse_names
 from sgl_pic.http.chat_chunks import AUTO_CHUNK_ROLES, parse_roles
 from sgl_pic.store.admission import ADMISSION_MODES, check_mode
 from sgl_pic.store.eviction import EVICTION_POLICIES, check_policy

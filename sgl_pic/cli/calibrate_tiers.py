@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from sgl_pic.binding.model_rope import ModelRope
 from sgl_pic.cli.calibrate_proxy import ModelShape
 from sgl_pic.cli.calibrate_timing import no_sync, time_call
 from sgl_pic.engine.kv_access import KVAccess
 from sgl_pic.engine.layer_feed import LayerFeed, feed_every_layer
 from sgl_pic.engine.lower_tiers import LowerHit, LowerTiers
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
 from sgl_pic.store.disk import DiskStoreConfig

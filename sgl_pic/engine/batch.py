@@ -11,17 +11,18 @@ Steps run on the scheduler's forward thread, in that order, once per attempt.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from sgl_pic.binding.gate import Pending
-from sgl_pic.binding.metrics import PicMetrics
-from sgl_pic.binding.phases import Run
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import Pending
+from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.core.runs import Run
 from sgl_pic.engine import planner
+from sgl_pic.engine.phase_port import Stack
 from sgl_pic.engine.pieces import CarriedPlan, PiecePlans
 from sgl_pic.engine.planner import RequestPlan
 from sgl_pic.store.admission import BatchAdmission
@@ -29,7 +30,6 @@ from sgl_pic.store.admission import BatchAdmission
 logger = logging.getLogger(__name__)
 
 # The decoder stack's own forward: (ids # [n], positions # [n], ForwardBatch) -> # [n, hidden]
-Stack = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # One chunked request's plan per batch index of the live batch.
 Plans = dict[int, RequestPlan]
 

@@ -8,7 +8,7 @@ allocator accounts for every cached chunk token; ``ChunkRadixCache`` reports the
 evictable (unlocked) or protected (locked) beside SGLang's own prefix nodes.
 
 Keys name the isolation namespace of the request that stored the chunk
-(``sgl_pic.engine.tenants``): a lookup finds only its own namespace's nodes.
+(``sgl_pic.core.tenants``): a lookup finds only its own namespace's nodes.
 
 A node is immutable once inserted: hits are copied out into the request's own slots and
 re-rotated there. Eviction takes leaves only, never a locked node, in the table's policy

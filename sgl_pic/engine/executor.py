@@ -3,8 +3,9 @@
 The runner's decoder stack hands the executor every extend batch (``model_hooks``, through
 ``PicRuntime.on_extend``). When requests in it carry verified chunk marks, the batch
 becomes phase forwards over the same KV pool, each an ordinary extend batch planned by the
-selected attention backend (``binding.phases``), in this order of steps, each a module of
-its own with a ``run(plans, ctx)`` contract (``batch.Step``):
+selected attention backend (``phase_port.PhaseRunner``, which ``binding.phases``
+implements), in this order of steps, each a module of its own with a ``run(plans, ctx)``
+contract (``batch.Step``):
 
 lookup:   each chunk past the device prefix is found in the chunk nodes, host memory or
           disk, or is a miss that store admission stores or defers (``lookup.Lookup``);
@@ -35,10 +36,9 @@ from typing import Any
 
 import torch
 
-from sgl_pic.binding.gate import Pending
-from sgl_pic.binding.metrics import PicMetrics
-from sgl_pic.binding.phases import PhaseRunner
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import Pending
+from sgl_pic.core.metrics import PicMetrics
 from sgl_pic.engine.batch import BatchContext, ChunkSpec, Plans, Stack, chunk_specs
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.forwards import HiddenSpec, PhaseForwards
@@ -49,6 +49,7 @@ from sgl_pic.engine.lookup import Assemble, Lookup, Release
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.phase1 import NodeWriter, NoScratchRows, Phase1
 from sgl_pic.engine.phase2 import Phase2
+from sgl_pic.engine.phase_port import PhaseRunner
 from sgl_pic.engine.piece_steps import FirstPieces, SplitRequests
 from sgl_pic.engine.pieces import PiecePlans
 from sgl_pic.engine.promoter import Promote, Promoter
@@ -152,6 +153,16 @@ class ChunkExecutor:
             kv,
         )
         self.split = SplitRequests(plans, self.ranks, metrics)
+
+    def held_tokens(self) -> int:
+        """Scheduler side: pool slots held for split requests' carried plans (reported to
+        SGLang's memory accounting as protected)."""
+        return self.split.plans.held_tokens
+
+    def forget_split_plans(self) -> None:
+        """Scheduler side, after a flush reset SGLang's allocator and request table: every
+        carried plan is forgotten, nothing given back (``PiecePlans.forget_all``)."""
+        self.split.plans.forget_all()
 
     def rekey(self, model_id: str) -> None:
         """Scheduler side, after SGLang changed the served weights: every chunk is keyed
@@ -261,19 +272,7 @@ class ChunkExecutor:
                 if self.lower is not None:
                     self.metrics.record_store_errors(self.lower.store.stats().errors)
                     self.lower.export_stats(self.metrics)
-        logger.info(
-            "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
-            "select+phase 2 %.3f s, recomputed %s in %s run(s)",
-            len(plans),
-            t1 - t0,
-            t2 - t1,
-            [p.stats.recomputed_tokens for p in plans.values() if p.stats is not None],
-            [p.runs for p in plans.values()],
-        )
-        for plan in plans.values():
-            assert plan.stats is not None
-            self.metrics.record(plan.stats)
-            self.metrics.record_namespace(plan.pending.namespace, plan.stats)
+        report(plans, t1 - t0, t2 - t1, self.metrics)
         assert ctx.hidden is not None
         return ctx.hidden
 
@@ -309,6 +308,24 @@ class ChunkExecutor:
     def close(self) -> None:
         """Joins the promoter's worker (shutdown)."""
         self.promoter.close()
+
+
+def report(plans: Plans, first_s: float, second_s: float, metrics: PicMetrics) -> None:
+    """A served batch's log line (seconds of lookups, assembly and phase 1; of signals,
+    selection and phase 2) and each plan's stats into the metrics."""
+    logger.info(
+        "sgl_pic batch: %d chunked request(s), assemble+phase 1 %.3f s, "
+        "select+phase 2 %.3f s, recomputed %s in %s run(s)",
+        len(plans),
+        first_s,
+        second_s,
+        [p.stats.recomputed_tokens for p in plans.values() if p.stats is not None],
+        [p.runs for p in plans.values()],
+    )
+    for plan in plans.values():
+        assert plan.stats is not None
+        metrics.record(plan.stats)
+        metrics.record_namespace(plan.pending.namespace, plan.stats)
 
 
 def _no_load(hit: Any, chunk_ids: tuple[int, ...]) -> None:

@@ -10,12 +10,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sgl_pic.binding.metrics import PicMetrics
-from sgl_pic.binding.phases import PhaseBatch, PhaseRunner, attended_keys
+from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.core.runs import attended_keys
 from sgl_pic.engine.batch import Stack
 from sgl_pic.engine.kv_access import KVAccess
 from sgl_pic.engine.layer_feed import LayerFeed
 from sgl_pic.engine.lower_tiers import LowerTiers
+from sgl_pic.engine.phase_port import PhaseBatch, PhaseRunner
 from sgl_pic.engine.planner import RequestPlan
 from sgl_pic.engine.rank_agreement import RankAgreement
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sgl_pic.binding.model_rope import ModelRope
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.ops import (
     apply_rope_kv,
     apply_rope_kv_layer,

@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from sgl_pic.binding.phases import SubRequest
 from sgl_pic.config import PicConfig
+from sgl_pic.core.runs import SubRequest
 from sgl_pic.engine.batch import BatchContext, Plans
 from sgl_pic.engine.chunk_nodes import ChunkNode, ChunkNodeTable, Keys, take_slots
 from sgl_pic.engine.chunk_store import Destination, RecordSink, rank_miss, store_miss

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_pic.binding.phases import SubRequest
+from sgl_pic.core.runs import SubRequest
 from sgl_pic.engine import planner
 from sgl_pic.engine.batch import BatchContext, Plans
 from sgl_pic.engine.forwards import PhaseForwards

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.core.metrics import PicMetrics
 from sgl_pic.engine.batch import BatchContext, ChunkSpec, PieceSpec, Plans
 from sgl_pic.engine.forwards import PhaseForwards
 from sgl_pic.engine.pieces import PiecePlans, Reservation, clip

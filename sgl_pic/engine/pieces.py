@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sgl_pic.binding.phases import Run
+from sgl_pic.core.runs import Run
 from sgl_pic.engine.chunk_nodes import take_slots
 from sgl_pic.engine.kv_access import KVAccess
 

@@ -37,14 +37,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from sgl_pic.binding.gate import Pending
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import Pending
 from sgl_pic.engine import planner
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.planner import ChunkLookup, RequestPlan
 
-# CacheBlend's deviation pass runs layers 0 and 1 (``binding.attention.DeviationProbe``).
+# CacheBlend's deviation pass runs layers 0 and 1 (``deviation_probe.DeviationProbe``).
 DEVIATION_LAYERS = 2
 
 

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from sgl_pic.binding.gate import Pending
-from sgl_pic.binding.metrics import RequestStats
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import Pending
+from sgl_pic.core.metrics import RequestStats
 from sgl_pic.layout import PromptLayout
 from sgl_pic.selection import SelectionContext, finalize, make_policy
 

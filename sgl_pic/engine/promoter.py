@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.core.metrics import PicMetrics
 from sgl_pic.engine.batch import BatchContext, Plans
 from sgl_pic.worker_threads import thread_pool
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from sgl_pic.binding.attention import ProbeDone
-from sgl_pic.binding.phases import to_device
+from sgl_pic.engine.deviation_probe import ProbeDone
+from sgl_pic.engine.device_copy import to_device
 from sgl_pic.engine.kv_access import STAGING_BYTES
 from sgl_pic.selection.query_aware import question_attention
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_pic.binding.metrics import PicMetrics
-from sgl_pic.binding.phases import Run, runs_of
+from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.core.runs import Run, runs_of
 from sgl_pic.engine import planner
 from sgl_pic.engine.batch import BatchContext, Plans
 from sgl_pic.engine.forwards import PhaseForwards

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from sgl_pic.binding.attention import DeviationProbe, ProbeDone
-from sgl_pic.binding.phases import SubRequest, runs_of
+from sgl_pic.core.runs import SubRequest, runs_of
 from sgl_pic.engine.batch import BatchContext, Plans
+from sgl_pic.engine.deviation_probe import DeviationProbe, ProbeDone
 from sgl_pic.engine.forwards import PhaseForwards
 from sgl_pic.engine.planner import RequestPlan
 from sgl_pic.engine.query_probe import ProbeCut, QueryProbe, host_scores

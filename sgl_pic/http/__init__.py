@@ -4,7 +4,7 @@ the model's own template and cut into chunks; the operator's ``POST /pic/delete`
 drift signal in OpenAI chat responses (``openai_meta``).
 
 Nothing here holds KV. What the edge signs (``spans``, ``delete_command``) is checked
-again on the scheduler side by ``sgl_pic.binding.gate`` before anything runs.
+again on the scheduler side by ``sgl_pic.core.gate`` before anything runs.
 Modules that read SGLang: ``middleware`` (its app and tokenizer manager),
 ``chat_render`` / ``chat_source`` (its chat path), ``delete_route`` (its admin auth),
 ``openai_meta`` (its chat response builder, through its HookRegistry).

@@ -18,13 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from sgl_pic.core.spans import INTERNAL_PREFIX
 from sgl_pic.http.routes import COMPLETIONS_PATH, GENERATE_PATH
-from sgl_pic.http.spans import INTERNAL_PREFIX
-from sgl_pic.layout import LayoutError
+from sgl_pic.layout import LayoutError, check_unicode
 
-# A lone UTF-16 surrogate: what json.loads makes of an unpaired "\ud800" escape (a pair
-# becomes one code point). Not valid Unicode: it cannot be encoded as UTF-8 or tokenized.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 # Where one can stand in a body: an escape "\uD8xx".."\uDFxx", or the bytes of an encoded
 # surrogate (json.loads decodes with surrogatepass). Bodies without either skip the walk.
 _RAW_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
@@ -63,18 +60,6 @@ def check_client_body(obj: Any, max_depth: int) -> None:
         if "pic_chunk" in node and not isinstance(node["pic_chunk"], bool):
             raise LayoutError(f"'pic_chunk' must be true or false, got {node['pic_chunk']!r}")
         stack.extend((v, depth + 1) for v in node.values())
-
-
-def check_unicode(text: str, where: str) -> None:
-    """Raises LayoutError when ``text`` holds a lone UTF-16 surrogate (not valid Unicode:
-    it cannot be encoded as UTF-8, nor tokenized)."""
-    m = _SURROGATE.search(text)
-    if m is not None:
-        raise LayoutError(
-            f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate "
-            f"({m.group()!r} at character {m.start()}); send each surrogate in a pair, or the "
-            "character itself as UTF-8"
-        )
 
 
 def check_body_text(obj: Any) -> None:

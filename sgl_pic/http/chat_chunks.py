@@ -58,6 +58,7 @@ from itertools import pairwise
 from typing import Any, NamedTuple
 
 from sgl_pic.config import PicConfig
+from sgl_pic.core.spans import LimitError
 from sgl_pic.http.chat_options import AUTO_CHUNK_ROLES as AUTO_CHUNK_ROLES
 from sgl_pic.http.chat_options import client_marks, has_chat_marks
 from sgl_pic.http.chat_options import parse_roles as parse_roles
@@ -71,7 +72,6 @@ from sgl_pic.http.chat_pieces import (
 )
 from sgl_pic.http.chat_render import ChatTemplate
 from sgl_pic.http.cut_points import cut_points
-from sgl_pic.http.spans import LimitError
 from sgl_pic.http.template_spans import (
     holds_reserved,
     locate,

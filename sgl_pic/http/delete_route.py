@@ -22,8 +22,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sgl_pic.http import delete_command
-from sgl_pic.http.spans import MarkSigner
+from sgl_pic.core import delete_command
+from sgl_pic.core.spans import MarkSigner
 from sgl_pic.layout import LayoutError
 
 DELETE_PATH = "/pic/delete"

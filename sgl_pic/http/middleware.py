@@ -6,7 +6,7 @@ client got wrong gets a 400 with a message, so it never reaches the engine:
 on the translated routes; ``RequestTranslator`` (``request_translator``) rewrites a
 chunked request on /generate and chat into a plain SGLang request (``input_ids`` plus
 signed marks in the custom params) and checks /v1/completions. The scheduler checks the
-same rules again where the work happens (``binding.gate``); the edge only gives clients
+same rules again where the work happens (``core.gate``); the edge only gives clients
 a clear answer early. ``install`` also adds the operator's deletion endpoint,
 POST /pic/delete (``delete_route``).
 """
@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from sgl_pic.core.spans import MarkSigner
 from sgl_pic.http.body_checks import (
     check_body_text,
     check_client_body,
@@ -27,7 +28,6 @@ from sgl_pic.http.body_checks import (
 from sgl_pic.http.request_translator import RequestTranslator as RequestTranslator
 from sgl_pic.http.routes import CHAT_PATH as CHAT_PATH
 from sgl_pic.http.routes import COMPLETIONS_PATH, GENERATE_PATH, TRANSLATED_PATHS
-from sgl_pic.http.spans import MarkSigner
 from sgl_pic.layout import LayoutError
 
 

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sgl_pic.binding.drift_signal import META_KEY
+from sgl_pic.core.drift_signal import META_KEY
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 from sgl_pic.config import PicConfig
-from sgl_pic.http.body_checks import check_unicode
-from sgl_pic.http.spans import SpecialTokens, special_tokens
-from sgl_pic.layout import LayoutError, PaddedPrompt, PromptLayout, pad_chunk_starts
+from sgl_pic.core.spans import SpecialTokens, special_tokens
+from sgl_pic.layout import (
+    LayoutError,
+    PaddedPrompt,
+    PromptLayout,
+    check_unicode,
+    pad_chunk_starts,
+)
 
 
 class PromptTokens:

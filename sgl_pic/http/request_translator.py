@@ -2,7 +2,7 @@
 chunked /generate or chat body becomes ``input_ids`` plus signed marks in the custom
 params; malformed marks, overrides or limits, and ``pic`` on /v1/completions (which does
 not carry chunk marks), raise ``LayoutError`` (a 400 at the edge). Runs in the server's
-HTTP process; the scheduler checks the signed marks again (``binding.gate``).
+HTTP process; the scheduler checks the signed marks again (``core.gate``).
 
 Request forms (single requests; a batch with chunk marks is refused):
   {"input_ids": [...], "pic": {"chunks": [[s, e], ...], "config": {...}}, ...}
@@ -31,11 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sgl_pic.config import PicConfig
-from sgl_pic.http.chat_chunks import chat_prompt
-from sgl_pic.http.chat_options import chat_options, has_chat_marks
-from sgl_pic.http.chat_render import ChatTemplate, server_template_defaults
-from sgl_pic.http.prompt_tokens import PromptTokens
-from sgl_pic.http.spans import (
+from sgl_pic.core.spans import (
     MAC_KEY,
     LimitError,
     MarkSigner,
@@ -45,6 +41,10 @@ from sgl_pic.http.spans import (
     layout_from_spans,
     split_on_delimiter,
 )
+from sgl_pic.http.chat_chunks import chat_prompt
+from sgl_pic.http.chat_options import chat_options, has_chat_marks
+from sgl_pic.http.chat_render import ChatTemplate, server_template_defaults
+from sgl_pic.http.prompt_tokens import PromptTokens
 from sgl_pic.layout import LayoutError, PromptLayout
 
 

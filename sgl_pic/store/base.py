@@ -82,7 +82,7 @@ class ChunkKV:
     layer_start:  model layer of ``k[0]``; the record holds layers
                   [layer_start, layer_start + num_layers) (pipeline-parallel shards).
     namespace:    the isolation namespace (tenant) the record was stored under: "" (the
-                  default) or a 64-digit hex digest (``sgl_pic.engine.tenants``). The
+                  default) or a 64-digit hex digest (``sgl_pic.core.tenants``). The
                   key already names it; it is kept beside the KV so that a tenant's records
                   can be found without knowing their tokens.
     context_contents: content digests of the segments of the first chunk this one was

@@ -44,7 +44,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor import model_runner as model_runner_mod
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from sgl_pic.binding.phases import PhaseRunner, SubRequest, extend_backend
+from sgl_pic.binding.phases import PhaseRunner, extend_backend
+from sgl_pic.core.runs import SubRequest
 from tests.support.fakes import FakeAllocator, FakeModelRunner, FakePool
 from tests.support.sglang_cache import published_server_args
 

@@ -41,13 +41,13 @@ from sgl_pic.binding.cost_adder import (
     adder_factory,
     planned_charges,
 )
-from sgl_pic.binding.gate import AdmittedMarks, Pending
 from sgl_pic.binding.runtime import set_current
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import AdmittedMarks, Pending
+from sgl_pic.core.spans import PicRequest
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.planned_cost import PlannedCost, TierPresence
 from sgl_pic.engine.rank_agreement import RankAgreement
-from sgl_pic.http.spans import PicRequest
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
 from tests.support.sglang_cache import cache_params, kv_pool_and_allocator, published_server_args
@@ -384,11 +384,11 @@ class Executor:
 def test_planned_charges_read_a_real_executor(tmp_path: Path) -> None:
     """``planned_charges`` over a real ``ChunkExecutor``: its chunk nodes, lower tiers,
     layer count, calibrated ratios and server config."""
-    from sgl_pic.binding.model_rope import ModelRope
     from sgl_pic.binding.phases import PhaseRunner
     from sgl_pic.binding.runtime import PicRuntime
     from sgl_pic.engine.executor import ChunkExecutor
     from sgl_pic.engine.kv_access import KVAccess
+    from sgl_pic.engine.rotation import ModelRope
     from sgl_pic.rope import default_inv_freq
     from tests.support.fakes import FakeAllocator, FakePool
 

@@ -185,7 +185,7 @@ CHILD = """
 import logging, sys, threading, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 from sgl_pic.binding.lifecycle import install_shutdown
-from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.core.metrics import PicMetrics
 from sgl_pic.store import disk as disk_mod
 from tests.binding.test_lifecycle import make_lower, put_segments
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from sgl_pic.binding.model_rope import (
-    ModelRope,
     UnsupportedRope,
     find_rotary,
     fits_table,
@@ -18,6 +17,7 @@ from sgl_pic.binding.model_rope import (
     plain_frequencies,
     rope_spec,
 )
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.rope import apply_rope, default_inv_freq
 
 pytestmark = pytest.mark.sglang

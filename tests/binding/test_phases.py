@@ -25,13 +25,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from sgl_pic.binding.attention import row_groups, torch_native_phase_extend
-from sgl_pic.binding.phases import (
-    PhaseRunner,
-    SubRequest,
-    attended_keys,
-    build_phase_batch,
-    runs_of,
-)
+from sgl_pic.binding.phases import PhaseRunner, build_phase_batch
+from sgl_pic.core.runs import SubRequest, attended_keys, runs_of
 
 HEADS, KV_HEADS, DIM, SLOTS = 4, 2, 16, 256
 

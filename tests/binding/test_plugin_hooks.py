@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from sgl_pic.binding import hooks, plugin
-from sgl_pic.binding.gate import AdmittedMarks, Pending
+from sgl_pic.binding import compose, hooks, plugin, tier_setup
 from sgl_pic.binding.runtime import PicRuntime, current, set_current
+from sgl_pic.core.gate import AdmittedMarks, Pending
+from sgl_pic.core.spans import PicRequest
 from sgl_pic.engine.layer_feed import FeedTimeout
 from sgl_pic.engine.rank_agreement import RankAgreement
-from sgl_pic.http.spans import PicRequest
 from sgl_pic.layout import PromptLayout
 
 pytestmark = pytest.mark.sglang
@@ -163,10 +163,10 @@ def test_lower_tiers_rotate_keys_by_the_models_own_pairing(layout: str) -> None:
     # Phase 1 stores keys un-rotated by the model's pairing; a tier that rotates them back
     # by another pairing would hand every later request (and the chunk nodes promoted from
     # it) wrong keys.
-    from sgl_pic.binding.model_rope import ModelRope
     from sgl_pic.binding.settings import PicServerSettings
     from sgl_pic.config import PicConfig
     from sgl_pic.engine.kv_access import KVAccess
+    from sgl_pic.engine.rotation import ModelRope
     from sgl_pic.keys import ModelFingerprint
     from sgl_pic.rope import default_inv_freq, rotate_layers
     from tests.support.fakes import FakePool
@@ -183,7 +183,7 @@ def test_lower_tiers_rotate_keys_by_the_models_own_pairing(layout: str) -> None:
     )
     settings = PicServerSettings(PicConfig(), host_cache_mb=4)
     fingerprint = ModelFingerprint(model_id="m", dtype="float32")
-    lower = plugin.lower_tiers_of(settings, fingerprint, rope.spec)
+    lower = tier_setup.lower_tiers_of(settings, fingerprint, rope.spec)
     try:
         tokens = list(range(100, 100 + n))
         lower.put_chunk(tokens, k_pre, v, None)
@@ -204,7 +204,6 @@ def test_a_refused_server_gets_sglangs_own_tree(monkeypatch: pytest.MonkeyPatch)
     activate_cpu_stubs()  # the sgl_kernel / torchvision stand-ins SGLang's tree imports
     from sglang.srt.mem_cache import registry
 
-    from sgl_pic.binding import metrics
     from tests.binding.test_model_hooks import ctx
 
     built: list[Any] = []
@@ -214,7 +213,7 @@ def test_a_refused_server_gets_sglangs_own_tree(monkeypatch: pytest.MonkeyPatch)
     gauge = SimpleNamespace(
         labels=lambda reason: SimpleNamespace(set=lambda v: refused.__setitem__(reason, v))
     )
-    monkeypatch.setattr(metrics, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
+    monkeypatch.setattr(compose, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
     previous = set_current(None)
     try:
         c = ctx("torch_native", enable_hierarchical_cache=True)
@@ -291,7 +290,6 @@ def test_a_pool_paged_unlike_the_chunk_starts_is_refused(monkeypatch: pytest.Mon
     activate_cpu_stubs()
     from sglang.srt.mem_cache import registry
 
-    from sgl_pic.binding import metrics
     from tests.binding.test_model_hooks import MHATokenToKVPool, ctx
     from tests.support.fakes import FakeAllocator
 
@@ -301,7 +299,7 @@ def test_a_pool_paged_unlike_the_chunk_starts_is_refused(monkeypatch: pytest.Mon
     gauge = SimpleNamespace(
         labels=lambda reason: SimpleNamespace(set=lambda v: refused.__setitem__(reason, v))
     )
-    monkeypatch.setattr(metrics, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
+    monkeypatch.setattr(compose, "PicMetrics", lambda: SimpleNamespace(unsupported=gauge))
     monkeypatch.delenv("SGLPIC_SETTINGS", raising=False)  # page size 1, the default
     previous = set_current(None)
     try:
@@ -324,17 +322,17 @@ def test_kernels_are_prepared_once_at_start_up_for_a_cuda_pool(
 
     calls: list[torch.device] = []
     monkeypatch.setattr(cuda, "prepare", lambda d: calls.append(d) or "ready", raising=False)
-    assert plugin.prepare_kernels(torch.device("cpu")) is None and calls == []
-    assert plugin.prepare_kernels(torch.device("cuda", 1)) == "ready"
+    assert compose.prepare_kernels(torch.device("cpu")) is None and calls == []
+    assert compose.prepare_kernels(torch.device("cuda", 1)) == "ready"
     assert calls == [torch.device("cuda", 1)]
 
 
 def test_per_namespace_caps_reach_the_host_and_disk_tiers(tmp_path: Any) -> None:
     """--pic-namespace-host-mb / --pic-namespace-disk-mb become the tiers' fair-share caps
     (0: none), as the server builds them."""
-    from sgl_pic.binding.model_rope import ModelRope
     from sgl_pic.binding.settings import PicServerSettings
     from sgl_pic.config import PicConfig
+    from sgl_pic.engine.rotation import ModelRope
     from sgl_pic.keys import ModelFingerprint
     from sgl_pic.rope import default_inv_freq
 
@@ -348,7 +346,7 @@ def test_per_namespace_caps_reach_the_host_and_disk_tiers(tmp_path: Any) -> None
             namespace_host_mb=host_mb,
             namespace_disk_mb=disk_mb,
         )
-        lower = plugin.lower_tiers_of(settings, fingerprint, rope.spec)
+        lower = tier_setup.lower_tiers_of(settings, fingerprint, rope.spec)
         try:
             assert lower.store.host.config.namespace_max_bytes == host_mb * 2**20
             assert lower.store.disk.config.namespace_max_bytes == disk_mb * 2**20

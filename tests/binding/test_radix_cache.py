@@ -326,8 +326,8 @@ def test_a_deletion_evicts_the_unlocked_tree_and_keeps_sglangs_sizes(page_size: 
 def test_a_node_a_running_request_holds_is_not_matched_after_a_deletion() -> None:
     """SGLang cannot evict a locked node; the deletion's fresh namespace makes it
     unreachable for every later request instead (``gate.namespace``)."""
-    from sgl_pic.binding.gate import namespace
     from sgl_pic.config import PicConfig
+    from sgl_pic.core.gate import namespace
     from sgl_pic.engine.deleter import Deleter
     from sgl_pic.store.deletion import Deletion
 
@@ -407,8 +407,8 @@ def test_a_request_queued_across_a_deletion_moves_to_the_fresh_namespace() -> No
     """A request admitted before a deletion (its tree namespace of the old generation) and
     matched after it neither matches the old namespace's KV nor inserts into it; one that
     already holds KV (mid-way through chunked prefill) keeps its namespace."""
-    from sgl_pic.binding.gate import namespace, restamped
     from sgl_pic.config import PicConfig
+    from sgl_pic.core.gate import namespace, restamped
     from sgl_pic.engine.deleter import Deleter
     from sgl_pic.store.deletion import Deletion
 

@@ -13,11 +13,13 @@ from sgl_pic.binding import hooks, runtime
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = [
     *sorted((ROOT / "sgl_pic" / "engine").glob("*.py")),
+    *sorted((ROOT / "sgl_pic" / "core").glob("*.py")),
     *(
         ROOT / "sgl_pic" / "binding" / f"{name}.py"
         for name in (
             "plugin",
-            "gate",
+            "compose",
+            "tier_setup",
             "phases",
             "model_hooks",
             "forward_timer",

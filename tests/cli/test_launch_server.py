@@ -74,7 +74,7 @@ def test_eviction_policy_reaches_the_settings() -> None:
 
 
 def test_public_namespaces_reach_the_scheduler_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_pic.engine.tenants import TenantPolicy, tenant_policy
+    from sgl_pic.core.tenants import TenantPolicy, tenant_policy
 
     assert build(MODEL)[1].pic_public_namespaces == ""  # tenants share nothing by default
     _, ns, _ = build([*MODEL, "--pic-public-namespaces", "corpus,docs"])

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from sgl_pic.binding.phases import Run
 from sgl_pic.config import PicConfig
+from sgl_pic.core.runs import Run
 from sgl_pic.engine.batch import ChunkSpec, PieceSpec, chunk_specs
 from sgl_pic.engine.pieces import Reservation
 from tests.engine.test_planner import _plan

@@ -13,14 +13,14 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from sgl_pic.binding.gate import EncodingContext
-from sgl_pic.binding.model_rope import ModelRope, RopeSpec
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import EncodingContext
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.chunk_store import Destination, rank_miss, store_miss
 from sgl_pic.engine.kv_access import KVAccess
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.phase1 import Encoding, NodeWriter, Phase1
+from sgl_pic.engine.rotation import ModelRope, RopeSpec
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import RopeLayout, default_inv_freq
 from sgl_pic.selection import cachetune_ranking

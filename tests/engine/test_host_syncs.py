@@ -15,7 +15,7 @@ The other way waits too: a copy of host data to the device from pageable memory
 (``torch.tensor(..., device=)``, ``to``/``copy_`` onto the device) blocks the host until the
 stream has run up to it. Such copies by the device-side code are counted as ``h2d``, except
 ``non_blocking`` ones from pinned memory. The device is mocked as a CUDA one
-(``phase_batch.pinnable``), and ``pin_memory`` marks its result pinned instead of pinning.
+(``device_copy.pinnable``), and ``pin_memory`` marks its result pinned instead of pinning.
 """
 
 # ruff: noqa: E402 - sglang imports need the CPU stubs active first
@@ -44,16 +44,17 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from torch.overrides import TorchFunctionMode
 
-from sgl_pic.binding import phase_batch
-from sgl_pic.binding.gate import Pending
-from sgl_pic.binding.model_rope import ModelRope
+from sgl_pic.binding.phase_batch import build_phase_batch
 from sgl_pic.binding.phases import PhaseRunner
 from sgl_pic.config import PicConfig
-from sgl_pic.engine import planner, query_probe
+from sgl_pic.core.gate import Pending
+from sgl_pic.core.runs import SubRequest
+from sgl_pic.core.spans import PicRequest
+from sgl_pic.engine import device_copy, planner, query_probe
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.executor import ChunkExecutor
 from sgl_pic.engine.kv_access import KVAccess
-from sgl_pic.http.spans import PicRequest
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
 from sgl_pic.rope import default_inv_freq
@@ -133,6 +134,7 @@ DEVICE_MODULES = (
     "sgl_pic/engine/kv_access.py",
     "sgl_pic/binding/phases.py",
     "sgl_pic/binding/phase_batch.py",
+    "sgl_pic/engine/device_copy.py",
     "sgl_pic/engine/query_probe.py",
     "sgl_pic/engine/layer_feed.py",
     "sgl_pic/binding/attention.py",
@@ -243,18 +245,18 @@ class DeviceFactories(TorchFunctionMode):
 def counting() -> Iterator[Counter[str]]:
     Dev.syncs = Counter()
     Dev.counting = True
-    saved = getattr(phase_batch, "pinnable", None)
+    saved = getattr(device_copy, "pinnable", None)
     # The mocked device is a CUDA one: pin for it (where ``to_device`` looks it up).
-    phase_batch.pinnable = lambda device: True
+    device_copy.pinnable = lambda device: True
     try:
         with DeviceFactories():
             yield Dev.syncs
     finally:
         Dev.counting = False
         if saved is None:
-            del phase_batch.pinnable
+            del device_copy.pinnable
         else:
-            phase_batch.pinnable = saved
+            device_copy.pinnable = saved
 
 
 class DevAllocator(FakeAllocator):
@@ -475,12 +477,12 @@ def test_a_phase_batch_reaches_the_device_in_one_non_blocking_copy() -> None:
         seq_lens_sum=4,
     )
     subs = [
-        phase_batch.SubRequest(rows[0], 3, 2),
-        phase_batch.SubRequest(rows[0], 7, 1),
-        phase_batch.SubRequest(rows[1], 0, 4),
+        SubRequest(rows[0], 3, 2),
+        SubRequest(rows[0], 7, 1),
+        SubRequest(rows[1], 0, 4),
     ]
     with counting() as syncs:
-        fb = phase_batch.build_phase_batch(
+        fb = build_phase_batch(
             live, subs, dev(torch.arange(7)), server.req_pool.req_to_token, None
         ).forward_batch
     assert not syncs

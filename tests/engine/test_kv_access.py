@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_pic.binding.model_rope import ModelRope
 from sgl_pic.engine.kv_access import KVAccess, SliceRun, slice_runs
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.rope import default_inv_freq, rotate_layers
 from tests.support.fakes import FakePool, chunk_data
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sgl_pic.binding.model_rope import ModelRope
 from sgl_pic.engine.kv_access import KVAccess
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.ops import write_pool_kv
 from sgl_pic.rope import default_inv_freq
 from tests.support.fakes import FakePool

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from sgl_pic.binding.model_rope import ModelRope
 from sgl_pic.engine import layer_feed
 from sgl_pic.engine.kv_access import KVAccess
 from sgl_pic.engine.layer_feed import (
@@ -32,6 +31,7 @@ from sgl_pic.engine.layer_feed import (
     feed_every_layer,
 )
 from sgl_pic.engine.lower_tiers import LowerTiers
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import apply_rope, default_inv_freq
 from sgl_pic.store.disk import DiskStoreConfig

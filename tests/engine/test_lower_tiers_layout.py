@@ -7,8 +7,8 @@ layer_start, KV-head count, head dim or dtype (planted, or a bug). Such a record
 reach the pool: it is counted ("layout_mismatch"), dropped (file / object removed, so the
 key is free again) and the chunk is a miss, recomputed and stored afresh.
 
-The stores are built as the server builds them (``plugin.lower_tiers_of`` with the layout
-of its KV pool, ``plugin.record_layout``).
+The stores are built as the server builds them (``tier_setup.lower_tiers_of`` with the layout
+of its KV pool, ``tier_setup.record_layout``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_pic.binding import plugin
-from sgl_pic.binding.model_rope import ModelRope
+from sgl_pic.binding import tier_setup
 from sgl_pic.binding.settings import PicServerSettings
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.kv_access import KVAccess
 from sgl_pic.engine.layer_feed import LayerFeed, MissingChunkError, feed_every_layer
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
 from sgl_pic.store import disk as disk_mod
@@ -68,7 +68,9 @@ def lower_tiers(root: Path, host_mb: int = 0):  # noqa: ANN201
     settings = PicServerSettings(
         PicConfig(), host_cache_mb=host_mb, disk_cache_dir=str(root), disk_cache_mb=64
     )
-    return plugin.lower_tiers_of(settings, FP, ROPE.spec, plugin.record_layout(kv_access()[1]))
+    return tier_setup.lower_tiers_of(
+        settings, FP, ROPE.spec, tier_setup.record_layout(kv_access()[1])
+    )
 
 
 def bad_record(key: str, digest: str, spec: tuple) -> ChunkKV:

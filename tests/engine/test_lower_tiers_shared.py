@@ -108,7 +108,7 @@ def test_b_writing_the_same_chunk_stores_nothing_new(pair: tuple[LowerTiers, Low
 
 
 SPLIT_SCRIPT = """
-from sgl_pic.binding.metrics import PicMetrics, RequestStats
+from sgl_pic.core.metrics import PicMetrics, RequestStats
 m = PicMetrics()
 m.record(RequestStats(5, 0, 3, 0, 2, 30, 4, 40, 0.0, disk_hits=1, shared_hits=2))
 m.record(RequestStats(5, 0, 3, 0, 2, 30, 4, 40, 0.0, disk_hits=3))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_pic.binding.model_rope import ModelRope
-from sgl_pic.binding.phases import Run
+from sgl_pic.core.runs import Run
 from sgl_pic.engine.kv_access import KVAccess
 from sgl_pic.engine.pieces import PiecePlans, clip
+from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.rope import default_inv_freq
 from tests.support.fakes import FakeAllocator, FakePool
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_pic.binding.gate import Pending, encoding_context
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import Pending, encoding_context
+from sgl_pic.core.spans import PicRequest
 from sgl_pic.engine import planner
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.planned_cost import PlannedCost, TierPresence
 from sgl_pic.engine.planner import ChunkLookup, RequestPlan
-from sgl_pic.http.spans import PicRequest
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
 from sgl_pic.registry import POLICIES

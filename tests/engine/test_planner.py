@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from sgl_pic.binding.gate import Pending
-from sgl_pic.binding.phases import runs_of
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import Pending
+from sgl_pic.core.runs import runs_of
+from sgl_pic.core.spans import PicRequest
 from sgl_pic.engine import planner
 from sgl_pic.engine.planner import ChunkLookup, RequestPlan
-from sgl_pic.http.spans import PicRequest
 from sgl_pic.layout import PromptLayout
 
 RATIOS = {"device": 0.15, "host": 0.2, "disk": 0.35}

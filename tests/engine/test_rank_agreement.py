@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sgl_pic.binding import plugin
+from sgl_pic.binding.tp_collectives import tp_max
 from sgl_pic.config import PicConfig
 from sgl_pic.engine.deleter import Deleter
 from sgl_pic.engine.executor import ChunkExecutor
@@ -138,8 +138,8 @@ class Rank(Server):
             reduce=tp_sum,
             sync_deletions=Deleter(nodes, store=self.log).sync,
             admission=StoreAdmission("always"),
-            # The server's own collective (``binding.plugin``), over a real SGLang TP group.
-            ranks=RankAgreement(plugin._tp_max if agree else None),
+            # The server's own collective (``binding.tp_collectives``), over a real SGLang TP group.
+            ranks=RankAgreement(tp_max if agree else None),
         )
         self.forwards = 0
 
@@ -245,8 +245,8 @@ def one_rank_raises(r: Rank, rank: int) -> dict[str, Any]:
     plain prefill; the next batch is served with reuse on both."""
     from types import SimpleNamespace
 
-    from sgl_pic.binding.gate import AdmittedMarks
     from sgl_pic.binding.runtime import PicRuntime
+    from sgl_pic.core.gate import AdmittedMarks
 
     r.stored([1, 2, 3])
     marks = AdmittedMarks()
@@ -320,7 +320,7 @@ def sglang_tp_group(rank: int) -> list[int]:
         group_name="tp",
     )
     distributed.get_tp_group = lambda: group
-    return plugin._tp_max(torch.tensor([rank, 5 - rank, 7])).tolist()
+    return tp_max(torch.tensor([rank, 5 - rank, 7])).tolist()
 
 
 def rank_main(rank: int, port: int, root: str, out: Any) -> None:
@@ -390,8 +390,8 @@ def agreed(ranks: dict[int, dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 def test_the_plugins_maximum_runs_over_sglangs_tp_group(ranks: dict) -> None:
-    """``plugin._tp_max`` on SGLang's ``GroupCoordinator`` (its ``cpu_group``), the group
-    ``tensor_model_parallel_all_reduce`` (``plugin._tp_sum``) also goes through."""
+    """``tp_max`` on SGLang's ``GroupCoordinator`` (its ``cpu_group``), the group
+    ``tensor_model_parallel_all_reduce`` (``tp_sum``) also goes through."""
     import inspect
 
     from sglang.srt.distributed import communication_op

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from sgl_pic.binding.gate import Pending
-from sgl_pic.binding.phases import Run, runs_of
 from sgl_pic.config import PicConfig
+from sgl_pic.core.gate import Pending
+from sgl_pic.core.runs import Run, runs_of
+from sgl_pic.core.spans import PicRequest
 from sgl_pic.engine import planner
 from sgl_pic.engine.kv_reads import (
     BACKENDS,
@@ -24,7 +25,6 @@ from sgl_pic.engine.kv_reads import (
 )
 from sgl_pic.engine.planner import ChunkLookup, RequestPlan
 from sgl_pic.engine.select import bound_runs, fit_runs
-from sgl_pic.http.spans import PicRequest
 from sgl_pic.layout import PromptLayout
 
 

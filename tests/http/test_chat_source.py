@@ -10,9 +10,9 @@ import pytest
 
 from sgl_pic.binding.cpu_env import activate_cpu_stubs
 from sgl_pic.config import PicConfig
+from sgl_pic.core.spans import MarkSigner
 from sgl_pic.http.chat_source import ChatSource, ServingFlags
 from sgl_pic.http.request_translator import RequestTranslator
-from sgl_pic.http.spans import MarkSigner
 from sgl_pic.layout import LayoutError
 
 activate_cpu_stubs()  # SGLang's template registry imports torchvision, stubbed on the CPU

@@ -12,11 +12,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from sgl_pic.config import PicConfig
-from sgl_pic.http import delete_command
+from sgl_pic.core import delete_command
+from sgl_pic.core.spans import MarkSigner
 from sgl_pic.http import delete_route as delete_http
 from sgl_pic.http.middleware import PicHTTPMiddleware
 from sgl_pic.http.request_translator import RequestTranslator
-from sgl_pic.http.spans import MarkSigner
 from sgl_pic.store.deletion import Deletion
 
 pytestmark = pytest.mark.sglang  # SGLang's auth middleware

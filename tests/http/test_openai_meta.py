@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sgl_pic.binding.drift_signal import META_KEY
+from sgl_pic.core.drift_signal import META_KEY
 from sgl_pic.http import openai_meta
 
 pytestmark = pytest.mark.sglang

@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 
 from sgl_pic.config import PicConfig
-from sgl_pic.http.middleware import PicHTTPMiddleware
-from sgl_pic.http.request_translator import RequestTranslator
-from sgl_pic.http.routes import CHAT_PATH as CHAT
-from sgl_pic.http.spans import (
+from sgl_pic.core.spans import (
     MAC_KEY,
     MarkSigner,
     SpecialTokens,
     decode,
     split_on_delimiter,
 )
+from sgl_pic.http.middleware import PicHTTPMiddleware
+from sgl_pic.http.request_translator import RequestTranslator
+from sgl_pic.http.routes import CHAT_PATH as CHAT
 from sgl_pic.layout import LayoutError
 
 BOS = 1000

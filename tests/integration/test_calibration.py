@@ -120,7 +120,7 @@ def test_the_server_calibrates_on_the_pools_device_and_ranks_agree(
     import threading
     from types import SimpleNamespace
 
-    from sgl_pic.binding import calibration, plugin
+    from sgl_pic.binding import calibration, tier_setup
     from sgl_pic.binding.settings import PicServerSettings
     from sgl_pic.config import PicConfig
 
@@ -141,7 +141,7 @@ def test_the_server_calibrates_on_the_pools_device_and_ranks_agree(
         barrier.wait()
         return total
 
-    monkeypatch.setattr(plugin, "_tp_sum", two_rank_sum)
+    monkeypatch.setattr(tier_setup, "tp_sum", two_rank_sum)
     settings = PicServerSettings(PicConfig(), host_cache_mb=4, calibrate=True)
     pool = SimpleNamespace(get_key_buffer=lambda _i: torch.zeros(4, 2, 8, dtype=torch.float16))
     rank_of: dict[int, int] = {}
@@ -150,7 +150,7 @@ def test_the_server_calibrates_on_the_pools_device_and_ranks_agree(
     def rank(r: int) -> None:
         rank_of[threading.get_ident()] = r
         ctx = SimpleNamespace(tp_size=2, tp_rank=r)
-        got[r] = plugin.calibrate_for_server(settings, None, pool, ctx)
+        got[r] = tier_setup.calibrate_for_server(settings, None, pool, ctx)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:

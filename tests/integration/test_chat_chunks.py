@@ -16,11 +16,11 @@ import requests
 
 from sgl_pic.binding.settings import PicServerSettings
 from sgl_pic.config import PicConfig
+from sgl_pic.core.spans import MarkSigner, decode
 from sgl_pic.http.chat_chunks import parse_roles, search_renders, windows
 from sgl_pic.http.chat_render import ChatTemplate
 from sgl_pic.http.cut_points import cut_points
 from sgl_pic.http.middleware import RequestTranslator
-from sgl_pic.http.spans import MarkSigner, decode
 from sgl_pic.layout import LayoutError, PromptLayout, Span
 from tests.support.chat_templates import templated
 from tests.support.prompts import DOCS, ids, tokenizer

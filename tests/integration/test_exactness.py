@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sgl_pic.binding.drift_signal import META_KEY
+from sgl_pic.core.drift_signal import META_KEY
 from tests.support.prompts import body, chunked
 from tests.support.server import Server, launch
 

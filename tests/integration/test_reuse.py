@@ -390,7 +390,7 @@ def _chat_body(question: str = "Where is the midnight sun seen?", **extra: Any) 
 
 
 def test_openai_chat_marks_reach_the_chunk_cache(server: Server) -> None:
-    from sgl_pic.binding.drift_signal import META_KEY
+    from sgl_pic.core.drift_signal import META_KEY
 
     before = server.metrics()
     r = requests.post(server.url + "/v1/chat/completions", json=_chat_body(), timeout=300)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sgl_pic.config import PicConfig
-from sgl_pic.http.spans import MarkSigner, decode
+from sgl_pic.core.spans import MarkSigner, decode
 from tests.support.chat_templates import (
     ALL_ROLES,
     EMBEDDED,

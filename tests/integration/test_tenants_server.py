@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import requests
 
-from sgl_pic.engine.tenants import isolation_namespace
+from sgl_pic.core.tenants import isolation_namespace
 from tests.support.prompts import DOCS, body, chunked, ids
 from tests.support.server import MetricDeltas, Server, launch
 

@@ -145,8 +145,8 @@ ALL_ROLES = frozenset({"tool", "document", "user", "assistant"})
 def translator(name: str, config: Any = None) -> Any:
     """A translator auto-chunking every role on the tokenizer carrying fixture ``name``."""
     from sgl_pic.config import PicConfig
+    from sgl_pic.core.spans import MarkSigner
     from sgl_pic.http.middleware import RequestTranslator
-    from sgl_pic.http.spans import MarkSigner
 
     tok = templated(name)
     config = config or PicConfig(auto_chunk_min_tokens=4)
@@ -178,7 +178,7 @@ def boundary_counts(name: str, requests: int, seed: int = 0) -> dict[str, Any]:
     pieces, text mismatches (must be 0) and the tokens that differ from the plain
     tokenization of the same text (at piece boundaries)."""
     from sgl_pic.config import PicConfig
-    from sgl_pic.http.spans import decode
+    from sgl_pic.core.spans import decode
     from tests.support.prompts import ids
 
     rng = random.Random(seed)

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import requests
 
-from sgl_pic.binding.metric_series import declared_series
 from sgl_pic.cli.server_process import log_tail, server_process
+from sgl_pic.core.metric_series import declared_series
 
 STARTUP_TIMEOUT_S = 420.0
 

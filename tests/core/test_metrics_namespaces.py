@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from sgl_pic.binding.metrics import LABEL_DIGITS, NamespaceLabels, RequestStats
-from sgl_pic.engine.tenants import isolation_namespace
+from sgl_pic.core.metrics import LABEL_DIGITS, NamespaceLabels, RequestStats
+from sgl_pic.core.tenants import isolation_namespace
 
 A = isolation_namespace("tenant-A", None)
 B = isolation_namespace(None, "salt-B")

@@ -1,4 +1,4 @@
-"""The served drift signal (``binding.drift_signal``) on SGLang's own logits output and
+"""The served drift signal (``core.drift_signal``) on SGLang's own logits output and
 metadata classes: the executor's rows get their first-token entropy in ``customized_info``
 (SGLang's channel into ``meta_info``), other rows None, nothing for decode batches, and a
 mark never outlives its forward."""
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from sgl_pic.binding.drift_signal import META_KEY, DriftSignal, entropy
 from sgl_pic.binding.model_hooks import _logits_metadata
 from sgl_pic.binding.runtime import PicRuntime
+from sgl_pic.core.drift_signal import META_KEY, DriftSignal, entropy
 
 pytestmark = pytest.mark.sglang
 

@@ -1,4 +1,4 @@
-"""sgl_pic's series made from their declarations (``sgl_pic.binding.metric_series``): the
+"""sgl_pic's series made from their declarations (``sgl_pic.core.metric_series``): the
 same names, kinds, help, labels, buckets and gauge modes as the hand-written
 ``PicMetrics.__init__`` of f33133e exported, but for the changes made since, listed in
 ``SINCE``."""
@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, Counter
 
-from sgl_pic.binding.metric_series import PicSeries, Series, declared_series, markdown_table
+from sgl_pic.core.metric_series import PicSeries, Series, declared_series, markdown_table
 
 BEFORE = json.loads((Path(__file__).parent / "data" / "metric_series_f33133e.json").read_text())
 # Changed since that capture: requests split into prefill pieces are planned whole at their

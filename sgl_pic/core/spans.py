@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from sgl_pic.config import REQUEST_OVERRIDES, PicConfig
-from sgl_pic.engine.tenants import PUBLIC_SCOPE_OPTION
+from sgl_pic.core.tenants import PUBLIC_SCOPE_OPTION
 from sgl_pic.layout import LayoutError, PromptLayout
 
 # custom_params values must be JSON scalars, flat lists or flat dicts (msgpack IPC), so the
@@ -43,7 +43,7 @@ OVERRIDABLE = REQUEST_OVERRIDES
 class PicRequest:
     """layout: validated chunk spans; overrides: per-request PicConfig fields;
     public_scope: whether the request asked to read the server's public chunk namespaces
-    (``sgl_pic.engine.tenants``) besides its own."""
+    (``sgl_pic.core.tenants``) besides its own."""
 
     layout: PromptLayout
     overrides: Mapping[str, Any]

@@ -7,18 +7,18 @@ from typing import Any
 
 import pytest
 
-from sgl_pic.binding.gate import (
+from sgl_pic.config import PicConfig
+from sgl_pic.core import delete_command
+from sgl_pic.core.gate import (
     UNTRUSTED_NAMESPACE,
     AdmissionGate,
     AdmittedMarks,
     namespace,
 )
-from sgl_pic.binding.metrics import PicMetrics
-from sgl_pic.config import PicConfig
+from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.core.spans import MAC_KEY, MarkSigner, encode
 from sgl_pic.engine.chunk_nodes import ChunkNodeTable
 from sgl_pic.engine.deleter import Deleter
-from sgl_pic.http import delete_command
-from sgl_pic.http.spans import MAC_KEY, MarkSigner, encode
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
 from sgl_pic.store.deletion import Deletion

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from sgl_pic.config import PicConfig
+from sgl_pic.core.spans import NUM_TOKENS_KEY, decode
 from sgl_pic.http.request_translator import RequestTranslator
-from sgl_pic.http.spans import NUM_TOKENS_KEY, decode
 from sgl_pic.layout import LayoutError
 
 BOS = 1000

@@ -36,11 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sgl_pic.binding.metrics import PicMetrics
 from sgl_pic.config import PicConfig
-from sgl_pic.engine.tenants import DEFAULT_NAMESPACE, TenantPolicy, isolation_namespace
-from sgl_pic.http import delete_command
-from sgl_pic.http.spans import (
+from sgl_pic.core import delete_command
+from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.core.spans import (
     INTERNAL_PREFIX,
     MARK_KEYS,
     LimitError,
@@ -49,6 +48,7 @@ from sgl_pic.http.spans import (
     decode,
     has_marks,
 )
+from sgl_pic.core.tenants import DEFAULT_NAMESPACE, TenantPolicy, isolation_namespace
 from sgl_pic.layout import LayoutError
 from sgl_pic.store.base import hash_token_ids
 from sgl_pic.store.deletion import segment_contents

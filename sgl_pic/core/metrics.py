@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge
 
-from sgl_pic.binding.metric_series import PicSeries, declared_series
+from sgl_pic.core.metric_series import PicSeries, declared_series
 
 
 class RequestStats(NamedTuple):

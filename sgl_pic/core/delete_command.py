@@ -20,10 +20,9 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sgl_pic.engine.tenants import isolation_namespace
-from sgl_pic.http.body_checks import check_unicode
-from sgl_pic.http.spans import MarkSigner
-from sgl_pic.layout import LayoutError
+from sgl_pic.core.spans import MarkSigner
+from sgl_pic.core.tenants import isolation_namespace
+from sgl_pic.layout import LayoutError, check_unicode
 from sgl_pic.store.deletion import Deletion, segment_contents
 
 COMMAND_KEY = "sgl_pic_delete"

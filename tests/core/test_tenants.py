@@ -15,19 +15,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.mem_cache.utils import storage_namespace_seed
 
-from sgl_pic.binding.gate import AdmissionGate, AdmittedMarks
-from sgl_pic.binding.metrics import PicMetrics
 from sgl_pic.config import PicConfig
-from sgl_pic.engine.chunk_nodes import ChunkNodeTable
-from sgl_pic.engine.lower_tiers import LowerTiers
-from sgl_pic.engine.tenants import (
+from sgl_pic.core.gate import AdmissionGate, AdmittedMarks
+from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.core.spans import MAC_KEY, MarkSigner, encode
+from sgl_pic.core.tenants import (
     DEFAULT_NAMESPACE,
     PUBLIC_SCOPE_OPTION,
     TenantPolicy,
     isolation_namespace,
     tenant_policy,
 )
-from sgl_pic.http.spans import MAC_KEY, MarkSigner, encode
+from sgl_pic.engine.chunk_nodes import ChunkNodeTable
+from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
 from sgl_pic.rope import default_inv_freq

@@ -1,7 +1,7 @@
 """sgl_pic's Prometheus series, each declared once: ``PicSeries`` below is the table (kind,
 name, help, labels, buckets per series), and ``PicMetrics`` (``metrics.py``) makes one
 Prometheus object of each and records into them. The README's metrics table is made from
-the same declarations: ``python -m sgl_pic.binding.metric_series`` prints it.
+the same declarations: ``python -m sgl_pic.core.metric_series`` prints it.
 ``PicSeries`` stays over the class-size limit: it is that table, one declaration a series.
 
 A series is a class attribute ``Series(kind, name, help, labels=...)``; on a ``PicMetrics``

@@ -1,4 +1,4 @@
-"""sgl_pic's Prometheus series (``sgl_pic.binding.metrics``), each check in its own
+"""sgl_pic's Prometheus series (``sgl_pic.core.metrics``), each check in its own
 process: Prometheus names are global, and PicMetrics registers them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 EVICTIONS_SCRIPT = """
-from sgl_pic.binding.metrics import PicMetrics
+from sgl_pic.core.metrics import PicMetrics
 m = PicMetrics()
 m.record_evictions({"device": 3, "host": 0})
 m.record_evictions({"device": 5, "host": 2, "disk": 1})

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from sgl_pic.engine.tenants import isolation_namespace
-from sgl_pic.http import delete_command
-from sgl_pic.http.spans import MarkSigner
+from sgl_pic.core import delete_command
+from sgl_pic.core.spans import MarkSigner
+from sgl_pic.core.tenants import isolation_namespace
 from sgl_pic.layout import LayoutError
 from sgl_pic.store.deletion import Deletion, segment_contents
 
