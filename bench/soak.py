@@ -21,7 +21,7 @@ seconds against its cold-cache reference; the tenant probe (``soak_tenants``) co
 cross-tenant and deleted-chunk hits on server a. Faults (``soak_faults``), at fixed shares
 of the run: a burst of ``--burst`` requests at once; a's disk filesystem filled and
 emptied; the shared store killed and restarted; a killed with SIGKILL and restarted on its
-disk tier; then records of that tier corrupted while it serves. The sampler
+disk tier, and records of that tier corrupted as soon as it serves again. The sampler
 (``soak_sampler``) reads /proc and /metrics every ``--sample-every`` seconds.
 
 Results: JSON (``--out``: commit, dirty flag, load average at start, concurrency, every
@@ -170,13 +170,16 @@ def probe_prompts(w: Workload, n: int) -> list[tuple[list[int], list[list[int]]]
 
 
 def summarize(
-    soak: Soak, windows: list[dict[str, Any]], scans: dict[str, DiskScan]
+    soak: Soak,
+    windows: list[dict[str, Any]],
+    scans: dict[str, DiskScan],
+    caps: dict[str, float],
 ) -> dict[str, Any]:
     tr = soak.traffic
     recs = tr.records
     seconds = max(1e-9, soak.clients_end_t - soak.clients_t)
     canary = Counter(c.outcome for c in soak.canary)
-    trend = trends(soak.samples(), soak.starts(), soak.args.warmup_minutes * 60)
+    trend = trends(soak.samples(), soak.starts(), soak.args.warmup_minutes * 60, caps)
     grown = {f"{src}/{k}": v for src, per in trend.items() for k, v in per.items() if v["grows"]}
     out = {
         **totals(recs),
@@ -241,6 +244,22 @@ def soak_kind_stats(s: dict[str, Any]) -> dict[str, Any]:
     from soak_stats import KindStats
 
     return {k: KindStats(**v) for k, v in s["per_kind"].items()}
+
+
+def series_caps(server: ServerManager, disk_mb: int) -> dict[str, float]:
+    """The caps the servers were given, for the sampled series they bound: chunk-node
+    slots (as the server reports them at start-up), the host tier (``SERVER_DEFAULTS``)
+    and the disk tier (its directory included)."""
+    host_mb = int(SERVER_DEFAULTS[SERVER_DEFAULTS.index("--pic-host-cache-mb") + 1])
+    caps = {
+        "host_tier_bytes": float(host_mb * 2**20),
+        "disk_tier_bytes": float(disk_mb * 2**20),
+        "disk_dir_bytes": float(disk_mb * 2**20),
+    }
+    nodes = server.chunk_capacity()
+    if nodes is not None:
+        caps["chunk_node_tokens"] = float(nodes)
+    return caps
 
 
 def server_threads(servers: int) -> dict[str, str]:
@@ -313,6 +332,7 @@ def main() -> int:
                 raise RuntimeError(f"server {s.name} did not start")
         traffic = Traffic(args, workload, servers, now)
         piece = int(servers[0].server_info().get("chunked_prefill_size") or 4096)
+        caps = series_caps(servers[0], args.disk_mb * 3 // 4)
         traffic.long_passages = workload.passages_over(int(2.5 * piece))
         faults = Faults(traffic, mount if mounted else None, store, probes)
         if store is not None:
@@ -329,16 +349,19 @@ def main() -> int:
             clients = soak.find_concurrency(ramp, args.ramp_seconds).clients
         prepared: dict[str, Any] = {}
 
-        def prepare_and_kill() -> None:
+        def kill_and_corrupt() -> None:
+            # The probe's records are on disk only, from its request before the kill to
+            # the corruption right after the restart: no tier above holds them, and
+            # the traffic has no time to evict them.
             prepared.update(faults.prepare_corruption())
             faults.kill9()
+            faults.corrupt(prepared, args.corrupt_share)
 
         schedule = [
             (0.15, lambda: faults.burst(args.burst)),
             (0.25, lambda: faults.disk_full(args.hold)),
             *([(0.4, lambda: faults.store_kill(args.hold))] if store is not None else []),
-            (0.55, prepare_and_kill),
-            (0.7, lambda: faults.corrupt(prepared, args.corrupt_share)),
+            (0.6, kill_and_corrupt),
         ]
         soak.run(clients, args.minutes * 60, schedule)
         for s in servers:
@@ -357,7 +380,7 @@ def main() -> int:
     windows = summarize_windows(
         faults.windows, traffic.records, [(c.t, c.outcome) for c in soak.canary]
     )
-    summary = summarize(soak, windows, faults.scans)
+    summary = summarize(soak, windows, faults.scans, caps)
     result = {
         "git_commit": commit,
         "git_dirty": dirty,
@@ -380,7 +403,8 @@ def main() -> int:
         "final_server_metrics": final_metrics,
         "summary": summary,
         "series": [s._asdict() for s in soak.samples()],
-        "trends": trends(soak.samples(), soak.starts(), args.warmup_minutes * 60),
+        "series_caps": caps,
+        "trends": trends(soak.samples(), soak.starts(), args.warmup_minutes * 60, caps),
         "sampler_errors": soak.sampler.errors[:50],
         "records": [r._asdict() for r in traffic.records],
     }

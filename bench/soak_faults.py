@@ -249,6 +249,7 @@ class Faults:
         assert a.disk is not None
         w = self.open("corrupt", (a.name,))
         targets = [p for p in prepared["files"] if p.exists()]
+        present = len(targets)  # the probe's files still on disk when it strikes
         others = sorted(set(a.disk.rglob("*.sglkv")) - set(targets))
         rng = random.Random(len(others))
         targets += rng.sample(others, max(1, int(extra * len(others)))) if others else []
@@ -269,7 +270,12 @@ class Faults:
                     how[path.name] = "bit_flips"
             except (OSError, ValueError) as e:
                 how[path.name] = f"skipped: {type(e).__name__}"
-        w.detail = {"corrupted": len(how), "probe_files": len(prepared["files"]), "how": how}
+        w.detail = {
+            "corrupted": len(how),
+            "probe_files": len(prepared["files"]),
+            "probe_files_present": present,
+            "how": how,
+        }
         kinds = ("corrupt", "truncated")
         with self.traffic.quiesce.alone():
             before = errors_of(a.metrics(), kinds)

@@ -43,6 +43,13 @@ BOUNDED = (
     "disk_dir_bytes",
 )
 GROWTH_LIMIT = 0.05
+# Series bounded by a configured cap (chunk-node slots, tier sizes): they fill after
+# warm-up and must never pass their cap. The other bounded series are judged from the
+# moment every capped series of their server first stood at FULL of its cap (the caches
+# full: what filling them costs, such as pool pages first touched, is bounded by the
+# caps), or from warm-up when the caches never filled.
+CAPPED = ("chunk_node_tokens", "host_tier_bytes", "disk_tier_bytes", "disk_dir_bytes")
+FULL = 0.95
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -89,8 +96,10 @@ def group_sums(metrics: Mapping[str, float]) -> dict[str, float]:
 
 class Trend(NamedTuple):
     """A series after warm-up: ``slope_per_min`` by least squares; ``growth``: last over
-    first minus 1 (None when the first is 0); ``grows``: growth over ``GROWTH_LIMIT`` for a
-    series in ``BOUNDED`` (from 0 to more counts as growth)."""
+    first minus 1 (None when the first is 0); ``grows``: for a series with a ``cap``,
+    whether it ever passed the cap; for another series in ``BOUNDED``, growth over
+    ``GROWTH_LIMIT`` from ``since_t`` (from 0 to more counts as growth) with an upward
+    slope."""
 
     n: int
     first: float
@@ -98,10 +107,20 @@ class Trend(NamedTuple):
     slope_per_min: float
     growth: float | None
     grows: bool
+    cap: float | None = None
+    since_t: float | None = None
 
 
-def trend(points: Sequence[tuple[float, float]], bounded: bool) -> Trend | None:
-    """The trend of (t seconds, value) points, None with fewer than two."""
+def trend(
+    points: Sequence[tuple[float, float]],
+    bounded: bool,
+    cap: float | None = None,
+    since_t: float | None = None,
+) -> Trend | None:
+    """The trend of (t seconds, value) points (those from ``since_t`` on, when given),
+    None with fewer than two."""
+    if since_t is not None:
+        points = [p for p in points if p[0] >= since_t]
     if len(points) < 2:
         return None
     ts = [p[0] for p in points]
@@ -111,8 +130,31 @@ def trend(points: Sequence[tuple[float, float]], bounded: bool) -> Trend | None:
     slope = sum((t - mt) * (v - mv) for t, v in zip(ts, vs, strict=True)) / var if var else 0.0
     first, last = vs[0], vs[-1]
     growth = None if first == 0 else last / first - 1
-    grows = bounded and (growth > GROWTH_LIMIT if growth is not None else last > 0)
-    return Trend(len(points), first, last, slope * 60, growth, grows)
+    if cap is not None:
+        grows = max(vs) > cap
+    else:
+        # Growth is a rise: over the limit from the first sample to the last, along an
+        # upward least-squares slope (a step at the start that settles lower is not).
+        rose = growth > GROWTH_LIMIT if growth is not None else last > 0
+        grows = bounded and rose and slope > 0
+    return Trend(len(points), first, last, slope * 60, growth, grows, cap, since_t)
+
+
+def caches_full_at(
+    per: Mapping[str, Sequence[tuple[float, float]]], caps: Mapping[str, float]
+) -> float | None:
+    """When every capped series in ``per`` had stood at ``FULL`` of its cap (each at its
+    first such sample), None if one never did or none is capped."""
+    times = []
+    for name, cap in caps.items():
+        points = per.get(name)
+        if not points:
+            continue
+        t = next((t for t, v in points if v >= FULL * cap), None)
+        if t is None:
+            return None
+        times.append(t)
+    return max(times) if times else None
 
 
 class Sample(NamedTuple):
@@ -123,10 +165,16 @@ class Sample(NamedTuple):
 
 
 def trends(
-    samples: Iterable[Sample], starts: Mapping[tuple[str, int], float], warmup_s: float
+    samples: Iterable[Sample],
+    starts: Mapping[tuple[str, int], float],
+    warmup_s: float,
+    caps: Mapping[str, float] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per source and launch (``source#generation``) and series: the trend of the samples
-    ``warmup_s`` or more after that launch began serving (``starts``: when)."""
+    ``warmup_s`` or more after that launch began serving (``starts``: when). ``caps``:
+    the configured cap of each series in ``CAPPED`` (the servers'; absent: judged as any
+    bounded series)."""
+    caps = dict(caps or {})
     points: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = {}
     for s in samples:
         begun = starts.get((s.source, s.generation))
@@ -137,7 +185,11 @@ def trends(
             per.setdefault(k, []).append((s.t, v))
     out: dict[str, dict[str, Any]] = {}
     for (source, gen), per in sorted(points.items()):
-        found = {k: trend(p, k in BOUNDED) for k, p in sorted(per.items())}
+        full = caches_full_at(per, caps)
+        found = {
+            k: trend(p, k in BOUNDED, caps.get(k), None if k in caps else full)
+            for k, p in sorted(per.items())
+        }
         out[f"{source}#{gen}"] = {k: t._asdict() for k, t in found.items() if t is not None}
     return out
 

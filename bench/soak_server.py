@@ -6,6 +6,7 @@ with the project's record reader."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -26,6 +27,9 @@ class ServerEvent(NamedTuple):
     server: str
     what: str  # started | killed | crashed | restart_failed | stopped
     detail: str
+
+
+CAPACITY_LINE = re.compile(r"chunk nodes up to (\d+) of \d+ pool slots")
 
 
 class ServerManager:
@@ -153,6 +157,17 @@ class ServerManager:
 
         text = requests.get(self.url + "/metrics", timeout=60).text
         return {k: v for k, v in parse_metrics(text).items() if k.startswith(prefixes)}
+
+    def chunk_capacity(self) -> int | None:
+        """Chunk-node slots this server's start-up line reports ("chunk nodes up to N of
+        M pool slots"), None when its log has none."""
+        for path in self.log_paths:
+            with open(path, errors="replace") as f:
+                for line in f:
+                    m = CAPACITY_LINE.search(line)
+                    if m:
+                        return int(m.group(1))
+        return None
 
     def server_info(self) -> dict[str, Any]:
         r = requests.get(self.url + "/get_server_info", timeout=60)

@@ -97,6 +97,37 @@ def test_trends_per_launch_after_warmup(sampler: ModuleType) -> None:
     assert got["a#2"]["rss_bytes"]["n"] == 2 and got["a#2"]["rss_bytes"]["grows"] is False
 
 
+def test_capped_series_may_fill_to_their_cap_and_the_rest_are_judged_once_full(
+    sampler: ModuleType,
+) -> None:
+    S = sampler.Sample
+    samples = [
+        S(40.0, "a", 1, {"chunk_node_tokens": 10.0, "rss_bytes": 100.0, "fds": 10.0}),
+        S(70.0, "a", 1, {"chunk_node_tokens": 96.0, "rss_bytes": 130.0, "fds": 10.0}),
+        S(100.0, "a", 1, {"chunk_node_tokens": 100.0, "rss_bytes": 131.0, "fds": 10.0}),
+        S(130.0, "a", 1, {"chunk_node_tokens": 99.0, "rss_bytes": 133.0, "fds": 12.0}),
+    ]
+    got = sampler.trends(samples, {("a", 1): 0.0}, 30.0, {"chunk_node_tokens": 100.0})["a#1"]
+    # Filled tenfold to its cap and never past it: bounded.
+    assert got["chunk_node_tokens"]["grows"] is False and got["chunk_node_tokens"]["cap"] == 100
+    # RSS rose while the cache filled; from the cache full (t=70) on, within 5%.
+    assert got["rss_bytes"]["since_t"] == 70.0 and got["rss_bytes"]["grows"] is False
+    assert got["fds"]["grows"] is True  # 10 -> 12 once full
+    over = [
+        S(40.0, "a", 1, {"chunk_node_tokens": 10.0}),
+        S(70.0, "a", 1, {"chunk_node_tokens": 101.0}),
+    ]
+    got = sampler.trends(over, {("a", 1): 0.0}, 30.0, {"chunk_node_tokens": 100.0})["a#1"]
+    assert got["chunk_node_tokens"]["grows"] is True
+    # Never full: judged from warm-up, as without caps.
+    never = [
+        S(40.0, "a", 1, {"chunk_node_tokens": 10.0, "rss_bytes": 100.0}),
+        S(70.0, "a", 1, {"chunk_node_tokens": 20.0, "rss_bytes": 130.0}),
+    ]
+    got = sampler.trends(never, {("a", 1): 0.0}, 30.0, {"chunk_node_tokens": 100.0})["a#1"]
+    assert got["rss_bytes"]["since_t"] is None and got["rss_bytes"]["grows"] is True
+
+
 def test_process_group_reads_this_process(sampler: ModuleType) -> None:
     pgid = os.getpgid(0)
     assert os.getpid() in sampler.group_pids(pgid)
