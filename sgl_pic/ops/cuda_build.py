@@ -74,14 +74,7 @@ def build_library(
         raise RuntimeError(f"no CUDA sources under {kernel_dir}")
     flags = nvcc_flags(kernel_dir)
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in sorted(set(archs))]
-    version = subprocess.run(
-        [str(nvcc), "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    digest = hashlib.sha256()
-    for path in sorted([*sources, *kernel_dir.glob("*.cuh"), *kernel_dir.glob("*.h")]):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update("\0".join([*flags, *gencode, version]).encode())
-    lib = out_dir / f"libsgl_pic_kernels-{digest.hexdigest()[:16]}.so"
+    lib = out_dir / _library_name(nvcc, kernel_dir, sources, [*flags, *gencode])
     if lib.is_file():
         return lib
 
@@ -99,27 +92,49 @@ def build_library(
             raise RuntimeError(
                 f"the kernel build failed in another process ({failed}):\n{failure[1]}"
             )
-        # Build beside the target and rename, so no process ever loads half a file.
-        fd, tmp_name = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
-        os.close(fd)
         cmd = [str(nvcc), *flags, *gencode, f"-I{kernel_dir}", "-shared", *map(str, sources)]
-        cmd += ["-o", tmp_name]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
-                )
-            os.replace(tmp_name, lib)
-        except Exception as exc:
-            with contextlib.suppress(OSError):  # the record only saves waiters time
-                _write_failure(failed, str(exc))
-            raise
-        finally:
-            if os.path.exists(tmp_name):
-                os.unlink(tmp_name)
+        _compile(cmd, lib, failed)
         failed.unlink(missing_ok=True)
     return lib
+
+
+def _library_name(
+    nvcc: Path, kernel_dir: Path, sources: Sequence[Path], options: Sequence[str]
+) -> str:
+    """The library's file name: a hash of every source and header under ``kernel_dir``
+    (names and bytes), the nvcc ``options`` (flags, then gencode) and nvcc's version."""
+    version = subprocess.run(
+        [str(nvcc), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    digest = hashlib.sha256()
+    for path in sorted([*sources, *kernel_dir.glob("*.cuh"), *kernel_dir.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update("\0".join([*options, version]).encode())
+    return f"libsgl_pic_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def _compile(cmd: Sequence[str], lib: Path, failed: Path) -> None:
+    """Runs nvcc ``cmd`` (all but its output) into a temporary file beside ``lib`` and
+    renames it into place; called under the build lock. On any failure records it at
+    ``failed`` (best effort) and re-raises; the temporary file never stays."""
+    # Build beside the target and rename, so no process ever loads half a file.
+    fd, tmp_name = tempfile.mkstemp(suffix=".so.tmp", dir=lib.parent)
+    os.close(fd)
+    cmd = [*cmd, "-o", tmp_name]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
+            )
+        os.replace(tmp_name, lib)
+    except Exception as exc:
+        with contextlib.suppress(OSError):  # the record only saves waiters time
+            _write_failure(failed, str(exc))
+        raise
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
 
 
 def _read_failure(path: Path) -> tuple[str, str] | None:

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -64,10 +64,30 @@ from sgl_pic.store.errors import (
 )
 from sgl_pic.store.eviction import check_policy
 from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
-from sgl_pic.store.record_encode import encode_record
+from sgl_pic.store.record_encode import EncodedRecord, encode_record
 from sgl_pic.store.record_header import RecordHeader, file_name
 from sgl_pic.store.record_read import RecordFile, read_header
 from sgl_pic.store.record_write import WriteCancelled, write_record
+
+
+class _PutTarget(NamedTuple):
+    """What a ``DiskStore.put`` writes: the key, its file size, the deletion mark it
+    obtained the record at (``since``), and the record's namespace and content."""
+
+    key: str
+    size: int
+    since: int
+    namespace: str
+    content: str
+
+
+class _Reservation(NamedTuple):
+    """The outcome of ``DiskStore._reserve``: ``answer`` is the put's result when it
+    ends there, None when the write goes ahead; ``evicted``: (key, size) of files to
+    delete outside the lock."""
+
+    answer: bool | None
+    evicted: list[tuple[str, int]]
 
 
 @dataclass(frozen=True)
@@ -304,47 +324,75 @@ class DiskStore(BoundedStore):
             if record.key in self._entries or record.key in self._pending:
                 return True
         enc = encode_record(record, self.config.block_tokens)
-        content, ns = record.content(), record.namespace
+        target = _PutTarget(record.key, enc.size, since, record.namespace, record.content())
         self._maybe_regrow()
+        reservation = self._reserve(target)
+        self._delete_files(reservation.evicted)
+        if reservation.answer is not None:
+            return reservation.answer
+        err = self._write_file(target.key, enc)
+        return self._finish_put(target, err)
+
+    def _reserve(self, target: _PutTarget) -> _Reservation:
+        """The index step of a put, under the lock: make room for ``target`` by the
+        policy and reserve its size in ``_pending``. ``answer`` is put's result when it
+        ends here (True: held already; False: deleted since ``target.since``, or no room)
+        and None when the write goes ahead; ``evicted``: files the caller deletes."""
+        key, size, ns = target.key, target.size, target.namespace
         with self._lock:
-            if record.key in self._entries or record.key in self._pending:
-                return True
-            if self._deleted_since_locked(since, ns, content):
-                return False
+            if key in self._entries or key in self._pending:
+                return _Reservation(True, [])
+            if self._deleted_since_locked(target.since, ns, target.content):
+                return _Reservation(False, [])
             ns_pending = sum(n for k, n in self._pending.items() if self._pending_ns[k] == ns)
             evicted, fits = self._make_room_locked(
-                sum(self._pending.values()) + enc.size, ns, ns_pending + enc.size
+                sum(self._pending.values()) + size, ns, ns_pending + size
             )
             if fits:
-                self._pending[record.key] = enc.size
-                self._pending_ns[record.key] = ns
-        self._delete_files(evicted)
-        if not fits:
-            return False
-        path = self.path_of(record.key)
-        err: OSError | None = None
+                self._pending[key] = size
+                self._pending_ns[key] = ns
+        return _Reservation(None if fits else False, evicted)
+
+    def _unreserve_locked(self, key: str) -> None:
+        """Drops ``key``'s reservation (its write ended)."""
+        del self._pending[key]
+        del self._pending_ns[key]
+
+    def _write_file(self, key: str, enc: EncodedRecord) -> OSError | None:
+        """Writes ``enc`` at ``key``'s path (atomically), outside the lock; the OSError
+        that failed it, else None. A write the abort stopped releases the reservation,
+        is counted as "cancelled_writes" and raises ``WriteCancelled``."""
+        path = self.path_of(key)
         try:
             make_private_dir(path.parent)
             write_record(path, enc, cancel=self._abort)
         except OSError as exc:
             # write_record removed its temp file; the record simply is not persisted.
-            err = exc
+            return exc
         except WriteCancelled:
             with self._lock:
-                del self._pending[record.key]
-                del self._pending_ns[record.key]
+                self._unreserve_locked(key)
                 self._counts["cancelled_writes"] += 1
             raise
+        return None
+
+    def _finish_put(self, target: _PutTarget, err: OSError | None) -> bool:
+        """The index step after the write, under the lock: release the reservation, then
+        index the file (True), remove it if a deletion matched meanwhile (False), or
+        count the failed write ``err`` and lower the capacity on a full disk (False)."""
         with self._lock:
-            del self._pending[record.key]
-            del self._pending_ns[record.key]
-            if err is None and self._deleted_since_locked(since, ns, content):
+            self._unreserve_locked(target.key)
+            if err is None and self._deleted_since_locked(
+                target.since, target.namespace, target.content
+            ):
                 # Deleted while being written: the file goes (under the lock, so no
                 # later put of this key can have written it).
-                self._delete_files([(record.key, enc.size)], locked=True)
+                self._delete_files([(target.key, target.size)], locked=True)
                 return False
             if err is None:
-                self._add_locked(record.key, enc.size, namespace=ns, content=content)
+                self._add_locked(
+                    target.key, target.size, namespace=target.namespace, content=target.content
+                )
                 self._counts["puts"] += 1
             else:
                 self._errors["write_error"] += 1

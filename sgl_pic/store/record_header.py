@@ -11,7 +11,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -124,6 +124,26 @@ def parse_header(
     (``model_digest`` given) or one naming a dtype this build does not know is foreign or
     newer, never corrupt: a disk tier shared by differently built or configured servers
     must not delete each other's files."""
+    fixed = _parse_prefix(prefix, file_size)
+    h = _unpack_body(body_reader(fixed.header_len), fixed.header_sha)
+    dtype = _check_origin(h, model_digest)
+    header = _build_header(h, dtype, fixed.header_len)
+    _check_consistent(header, fixed.version)
+    _check_file_size(header, file_size)
+    return header
+
+
+class _Prefix(NamedTuple):
+    """The fields of a checked 48-byte prefix (the magic dropped)."""
+
+    version: int
+    header_len: int
+    header_sha: bytes
+
+
+def _parse_prefix(prefix: bytes, file_size: int) -> _Prefix:
+    """The prefix's fields, checked before any body byte is read: magic, a version this
+    reader understands and a header length that is plausible and within ``file_size``."""
     if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
         if MAGIC.startswith(prefix):
             raise TruncatedRecordError(f"file of {file_size} bytes ends inside the prefix")
@@ -139,7 +159,12 @@ def parse_header(
         raise CorruptRecordError(f"implausible header length {header_len}")
     if PREFIX_BYTES + header_len > file_size:
         raise TruncatedRecordError("file ends inside the header")
-    body = body_reader(header_len)
+    return _Prefix(version, header_len, header_sha)
+
+
+def _unpack_body(body: bytes, header_sha: bytes) -> dict:
+    """The msgpack map of ``body`` once its SHA-256 is ``header_sha``; else
+    ``CorruptRecordError``."""
     if hashlib.sha256(body).digest() != header_sha:
         raise CorruptRecordError("header checksum mismatch")
     try:
@@ -148,6 +173,12 @@ def parse_header(
         raise CorruptRecordError(f"unreadable header: {exc}") from exc
     if not isinstance(h, dict):
         raise CorruptRecordError("header is not a map")
+    return h
+
+
+def _check_origin(h: dict, model_digest: str | None) -> str:
+    """The header's dtype name, after the checks that make a record foreign or newer
+    rather than corrupt: its model (when ``model_digest`` is given) and a known dtype."""
     if model_digest is not None and h.get("model") != model_digest:
         raise ForeignModelError(f"record is for another model than {model_digest[:12]}")
     dtype = h.get("dtype")
@@ -155,21 +186,23 @@ def parse_header(
         raise CorruptRecordError(f"header dtype is a {type(dtype).__name__}, not a name")
     if dtype not in DTYPES:
         raise UnsupportedFormatError(f"dtype {dtype!r} unknown to this reader")
+    return dtype
+
+
+def _build_header(h: dict, dtype: str, header_len: int) -> RecordHeader:
+    """A ``RecordHeader`` of map ``h``, each field of its exact type and range; any
+    malformed field raises ``CorruptRecordError``. Fields are read in a fixed order, so
+    the first malformed one names the error. Cross-field checks are the caller's."""
     try:
         # Exact types and ranges: a header with a valid checksum is still anyone's bytes
         # (a shared disk or store), and a float, a bool or an out-of-range integer here
         # must read as a corrupt record, never as an exception its callers do not expect.
         num_tokens, num_layers = _int(h, "num_tokens"), _int(h, "num_layers")
-        token_ids = h["token_ids"]
-        if not isinstance(token_ids, list) or not all(
-            type(t) is int and 0 <= t < 1 << 32 for t in token_ids
-        ):
-            raise ValueError("token_ids is not a list of uint32")
-        token_ids = tuple(token_ids)
+        token_ids = _token_ids(h["token_ids"])
         ranking = None
         if h["ranking"] is not None:
             ranking = torch.from_numpy(np.frombuffer(_bytes(h["ranking"]), dtype="<f4").copy())
-        header = RecordHeader(
+        return RecordHeader(
             version=_int(h, "version"),
             key=check_key(h["key"]),
             model_digest=check_key(h["model"]),
@@ -194,24 +227,42 @@ def parse_header(
         )
     except (KeyError, TypeError, ValueError, OverflowError, msgpack.UnpackException) as exc:
         raise CorruptRecordError(f"unreadable header: {exc}") from exc
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """``value`` as a tuple of uint32 token ids, else ValueError."""
+    if not isinstance(value, list) or not all(type(t) is int and 0 <= t < 1 << 32 for t in value):
+        raise ValueError("token_ids is not a list of uint32")
+    return tuple(value)
+
+
+def _check_consistent(header: RecordHeader, version: int) -> None:
+    """``CorruptRecordError`` unless the fields agree with each other and with the
+    prefix's ``version``: sizes >= 1, one token id (and ranking value) per token, one
+    digest per block of each layer, and the token ids hashing to ``token_ids_hash``."""
+    num_tokens, num_layers = header.num_tokens, header.num_layers
+    ranking = header.ranking
     expected_sums = header.num_blocks * DIGEST_BYTES
     if (
         header.version != version
         or min(num_tokens, num_layers, header.num_kv_heads, header.head_dim) < 1
         or header.block_tokens < 1
-        or len(token_ids) != num_tokens
+        or len(header.token_ids) != num_tokens
         or (ranking is not None and ranking.numel() != num_tokens)
         or len(header.k_sums) != num_layers
         or len(header.v_sums) != num_layers
         or any(len(s) != expected_sums for s in header.k_sums + header.v_sums)
-        or hash_token_ids(token_ids) != header.token_ids_hash
+        or hash_token_ids(header.token_ids) != header.token_ids_hash
     ):
         raise CorruptRecordError("header fields are inconsistent")
+
+
+def _check_file_size(header: RecordHeader, file_size: int) -> None:
+    """A file shorter than the header says is truncated, a longer one corrupt."""
     if file_size < header.file_size:
         raise TruncatedRecordError(f"file has {file_size} bytes, header says {header.file_size}")
     if file_size > header.file_size:
         raise CorruptRecordError(f"file has {file_size} bytes, header says {header.file_size}")
-    return header
 
 
 # Header fields above this are no record's: a few billion tokens, layers or heads.
