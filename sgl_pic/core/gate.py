@@ -230,6 +230,79 @@ def multimodal_pad_ids(req: Any) -> frozenset[int]:
     return frozenset(out)
 
 
+class Refusal(NamedTuple):
+    """Why a request is refused: ``reason`` labels ``requests_refused``, ``message`` is
+    what SGLang answers the client."""
+
+    reason: str
+    message: str
+
+
+def input_refusal(req: Any, ids: Sequence[int], vocab_size: int) -> Refusal | None:
+    """The refusal of SGLang's ``req`` (its input ids ``ids``) for inputs that would crash
+    SGLang 0.5.23's scheduler (a token id outside the vocabulary, a count of top logprobs
+    outside [0, ``vocab_size``]), or None. Pure: the caller counts and answers it."""
+    bad = first_out_of_vocab(ids, vocab_size, multimodal_pad_ids(req))
+    if bad is not None:
+        return Refusal(
+            "token_id",
+            f"input_ids[{bad[0]}] = {bad[1]} is outside the vocabulary [0, {vocab_size})",
+        )
+    top = getattr(getattr(req, "logprob", None), "top_logprobs_num", 0)
+    if getattr(req, "return_logprob", False) and not (type(top) is int and 0 <= top <= vocab_size):
+        # SGLang 0.5.23 takes a top-k of that many logprobs in the scheduler, and a k
+        # past the vocabulary kills it.
+        return Refusal("top_logprobs", f"top_logprobs_num = {top!r} is outside [0, {vocab_size}]")
+    return None
+
+
+def exact_only_reason(req: Any, custom: Any) -> str | None:
+    """Why SGLang's ``req``, whose marks ``custom`` verified, still runs exact (the
+    ``marks_ignored`` reason), or None when nothing in it rules chunk reuse out."""
+    if any(
+        isinstance(k, str) and k.startswith(INTERNAL_PREFIX) and k not in MARK_KEYS for k in custom
+    ):
+        # A key of ours the MAC does not cover (a namespace, say) was added to signed
+        # marks: nothing of ours reads it, but the marks are not what we signed.
+        return "bad_signature"
+    if getattr(req, "lora_id", None):
+        # Chunk keys name the base model's weights, not an adapter's.
+        return "lora"
+    if getattr(req, "return_hidden_states", False) is True:
+        # Every prompt row's hidden state is asked for, and the chunk path computes only
+        # the recomputed rows ("last" asks for the last row, which it always computes).
+        return "hidden_states"
+    if getattr(req, "session", None) is not None:
+        # A streaming session lends each turn the session's own KV whatever the
+        # namespace, so an approximate turn would reach a later exact one; any session
+        # turn runs exact.
+        return "session"
+    return None
+
+
+class CheckedMarks(NamedTuple):
+    """A request's marks decoded (``pic``), or why they are not honoured (``reason``, the
+    ``marks_ignored`` label; ``pic`` is then None)."""
+
+    pic: PicRequest | None
+    reason: str = ""
+
+
+def decoded_marks(custom: Any, config: PicConfig, num_tokens: int) -> CheckedMarks:
+    """The verified marks ``custom`` decoded under the server's ``config`` for a prompt
+    of ``num_tokens`` tokens: "limit" past the server's limits, "malformed" for marks
+    that do not decode or whose layout covers another number of tokens."""
+    try:
+        pic = decode(custom, config)
+    except LimitError:
+        return CheckedMarks(None, "limit")
+    except LayoutError:
+        return CheckedMarks(None, "malformed")
+    if pic.layout.num_tokens != num_tokens:
+        return CheckedMarks(None, "malformed")
+    return CheckedMarks(pic)
+
+
 class AdmissionGate:
     """signer: None when reuse is off in this process (SGLang's own launcher gave no
     secret, or the attention backend is not supported): then no marks are honoured.
@@ -274,25 +347,16 @@ class AdmissionGate:
             return None
 
     def _admit(self, req: Any) -> str | None:
+        """``admit`` without its guard: raises on an internal failure."""
         # Marks kept under this request id belong to an earlier request of the same id
         # (SGLang refuses concurrent duplicates, not reuse after one ended without
         # releasing): never this one's, whatever it carries.
         self.marks.drop(req.rid)
         ids = req.origin_input_ids
-        bad = first_out_of_vocab(ids, self.vocab_size, multimodal_pad_ids(req))
-        if bad is not None:
-            self.metrics.requests_refused.labels(reason="token_id").inc()
-            return (
-                f"input_ids[{bad[0]}] = {bad[1]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        top = getattr(getattr(req, "logprob", None), "top_logprobs_num", 0)
-        if getattr(req, "return_logprob", False) and not (
-            type(top) is int and 0 <= top <= self.vocab_size
-        ):
-            # SGLang 0.5.23 takes a top-k of that many logprobs in the scheduler, and a k
-            # past the vocabulary kills it.
-            self.metrics.requests_refused.labels(reason="top_logprobs").inc()
-            return f"top_logprobs_num = {top!r} is outside [0, {self.vocab_size}]"
+        refusal = input_refusal(req, ids, self.vocab_size)
+        if refusal is not None:
+            self.metrics.requests_refused.labels(reason=refusal.reason).inc()
+            return refusal.message
         custom = getattr(req.sampling_params, "custom_params", None)
         if delete_command.has_command(custom):
             return self._command(req, custom)
@@ -300,43 +364,31 @@ class AdmissionGate:
         claims_namespace = isinstance(extra, str) and extra.startswith(INTERNAL_PREFIX)
         if not (has_marks(custom) or claims_namespace):
             return None
+        checked = self._checked(req, ids, custom, claims_namespace)
+        if checked.pic is None:
+            self._ignore(req, checked.reason)
+            return None
+        return self._honour(req, ids, extra, checked.pic)
+
+    def _checked(
+        self, req: Any, ids: Sequence[int], custom: Any, claims_namespace: bool
+    ) -> CheckedMarks:
+        """``req``'s marks ``custom`` decoded when they are honoured: signed by this
+        server's secret for ``req``'s token ids ``ids``, on a request that claims none of
+        our namespaces and may reuse chunks (``exact_only_reason``), within the limits;
+        else why not (the ``marks_ignored`` reason)."""
         if claims_namespace or self.signer is None or not self.signer.verify(ids, custom):
-            self._ignore(req, "reuse_off" if self.signer is None else "bad_signature")
-            return None
-        if any(
-            isinstance(k, str) and k.startswith(INTERNAL_PREFIX) and k not in MARK_KEYS
-            for k in custom
-        ):
-            # A key of ours the MAC does not cover (a namespace, say) was added to signed
-            # marks: nothing of ours reads it, but the marks are not what we signed.
-            self._ignore(req, "bad_signature")
-            return None
-        if getattr(req, "lora_id", None):
-            # Chunk keys name the base model's weights, not an adapter's.
-            self._ignore(req, "lora")
-            return None
-        if getattr(req, "return_hidden_states", False) is True:
-            # Every prompt row's hidden state is asked for, and the chunk path computes only
-            # the recomputed rows ("last" asks for the last row, which it always computes).
-            self._ignore(req, "hidden_states")
-            return None
-        if getattr(req, "session", None) is not None:
-            # A streaming session lends each turn the session's own KV whatever the
-            # namespace, so an approximate turn would reach a later exact one; any session
-            # turn runs exact.
-            self._ignore(req, "session")
-            return None
-        try:
-            pic = decode(custom, self.config)
-        except LimitError:
-            self._ignore(req, "limit")
-            return None
-        except LayoutError:
-            self._ignore(req, "malformed")
-            return None
-        if pic.layout.num_tokens != len(ids):
-            self._ignore(req, "malformed")
-            return None
+            return CheckedMarks(None, "reuse_off" if self.signer is None else "bad_signature")
+        reason = exact_only_reason(req, custom)
+        if reason is not None:
+            return CheckedMarks(None, reason)
+        return decoded_marks(custom, self.config, len(ids))
+
+    def _honour(self, req: Any, ids: Sequence[int], extra: Any, pic: PicRequest) -> str | None:
+        """Honours ``req``'s decoded marks ``pic`` (for its input ids ``ids``; ``extra``:
+        its client's ``extra_key``): sets its tree namespace and puts its ``Pending`` into
+        ``marks``; or the refusal message when it asks for a public scope this server does
+        not share (counted)."""
         own = isolation_namespace(extra, getattr(req, "cache_salt", None))
         try:
             readable = self.tenants.readable(own, pic.public_scope)

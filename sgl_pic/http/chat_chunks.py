@@ -52,8 +52,9 @@ SGLang's templating: refused with marks, left to SGLang under auto-chunking (the
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
@@ -70,9 +71,10 @@ from sgl_pic.http.chat_pieces import (
     marked_body,
     plan_pieces,
 )
-from sgl_pic.http.chat_render import ChatTemplate
+from sgl_pic.http.chat_render import ChatInputs, ChatTemplate
 from sgl_pic.http.cut_points import cut_points
 from sgl_pic.http.template_spans import (
+    PieceSpan,
     holds_reserved,
     locate,
     sentinel_piece,
@@ -87,6 +89,23 @@ class ChatPrompt(NamedTuple):
 
     token_ids: list[int]
     layout: PromptLayout
+
+
+class _Planned(NamedTuple):
+    """A chat request that may get chunks: whether the client marked any, and its
+    pieces (``plan_pieces``)."""
+
+    marked: bool
+    plan: PiecePlan
+
+
+class _Rendered(NamedTuple):
+    """The request rendered as SGLang renders it: its template inputs, the text and the
+    tools the text was rendered with."""
+
+    inputs: ChatInputs
+    text: str
+    tools: list[dict[str, Any]] | None
 
 
 def chat_prompt(
@@ -106,6 +125,41 @@ def chat_prompt(
     byte for byte; the pieces are found in it (``template_spans``) and each tokenized on
     its own (``tokenize``: without special tokens). Raises LayoutError for anything
     malformed, and for marked pieces the template does not render verbatim."""
+    planned = _plan(body, roles, config)
+    if planned is None:
+        return None
+    marked, plan = planned
+    defaults = defaults or {}
+    rendered = _render(body, plan, marked, template, defaults)
+    if rendered is None:
+        return None  # SGLang answers it
+    text, tools = rendered.text, rendered.tools
+    n, n_tools = len(plan.pieces), len(tools or ())
+    kinds = [p.kind for p in plan.pieces] + [PieceKind.AUTO] * n_tools
+    marked_inputs = template.inputs(marked_body(body, plan, frozenset(range(n))), defaults)
+    prefix_piece = sentinel_piece(marked_inputs.prefix)
+    wanted = [k for k in range(n + n_tools) if k != prefix_piece]
+    tokenize = _memo(tokenize)  # pieces counted for the search are tokenized again below
+    spans, unsearched = locate(
+        text,
+        functools.partial(_attempt, template, plan, marked_inputs, tools),
+        wanted,
+        search=_searched(plan, n, n_tools, prefix_piece, config, tokenize),
+        max_renders=search_renders(config),
+    )
+    _check_marked_found(plan, wanted, spans, unsearched, config)
+    ids, pieces = _tokenized(text, spans, tokenize, kinds, template, rendered.inputs, prefix_piece)
+    chunks = _chunk_spans(ids, pieces, config)
+    if not chunks:
+        return None
+    return ChatPrompt(ids, PromptLayout(len(ids), tuple(chunks)))
+
+
+def _plan(body: dict[str, Any], roles: frozenset[str], config: PicConfig) -> _Planned | None:
+    """The pieces of chat ``body`` (``chat_prompt``'s first step), or None when it gets no
+    chunks: no message list, nothing marked with auto-chunking off, or a request
+    auto-chunking cannot render. Raises LimitError past ``max_chunks`` marks, LayoutError
+    for malformed tools, and Unrenderable for marked requests that cannot be rendered."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
@@ -131,45 +185,67 @@ def chat_prompt(
         if marked:
             raise
         return None
-    defaults = defaults or {}
+    return _Planned(marked, plan)
+
+
+def _render(
+    body: dict[str, Any],
+    plan: PiecePlan,
+    marked: bool,
+    template: ChatTemplate,
+    defaults: Mapping[str, Any],
+) -> _Rendered | None:
+    """``body`` (its marks stripped by ``plan``) rendered as SGLang renders it, or None
+    when the template fails on an unmarked request (SGLang answers it). Raises LayoutError
+    for a body SGLang refuses, and when the template fails on a marked request."""
     real = template.inputs(marked_body(body, plan, frozenset()), defaults)
     try:
         text, tools = template.render(real)
     except Exception as e:  # noqa: BLE001 - a chat template is the model's code, any error
         if marked:
             raise LayoutError(f"the chat template failed on the request: {e}") from e
-        return None  # SGLang answers it
+        return None
+    return _Rendered(real, text, tools)
+
+
+def _attempt(
+    template: ChatTemplate,
+    plan: PiecePlan,
+    marked_inputs: ChatInputs,
+    tools: list[dict[str, Any]] | None,
+    subset: frozenset[int],
+) -> str:
+    """The marked rendering with only the pieces of ``subset`` marked (``locate``'s
+    ``attempt``): piece ids below ``len(plan.pieces)`` are message texts, the others
+    ``tools`` (by index past them). ``marked_inputs``: the inputs with every message text
+    marked; the others' sentinels are put back here, since parsing the request again for
+    each try would cost as much as the rendering."""
     n = len(plan.pieces)
-    kinds = [p.kind for p in plan.pieces] + [PieceKind.AUTO] * len(tools or ())
-    every = frozenset(range(n))
-    marked_inputs = template.inputs(marked_body(body, plan, every), defaults)
-    prefix_piece = sentinel_piece(marked_inputs.prefix)
-
-    def attempt(subset: frozenset[int]) -> str:
-        # The inputs with every content marked, the others' sentinels put back: parsing
-        # the request again for each try would cost as much as the rendering.
-        rest = {k: plan.pieces[k].text for k in every - subset}
-        inputs = (
-            marked_inputs._replace(
-                messages=unmark(marked_inputs.messages, rest),
-                prefix=unmark(marked_inputs.prefix, rest),
-            )
-            if rest
-            else marked_inputs
+    rest = {k: plan.pieces[k].text for k in frozenset(range(n)) - subset}
+    inputs = (
+        marked_inputs._replace(
+            messages=unmark(marked_inputs.messages, rest),
+            prefix=unmark(marked_inputs.prefix, rest),
         )
-        contents = {k: plan.pieces[k].text for k in subset if k < n}
-        tool_pieces = {k - n: k for k in subset if k >= n}
-        return template.render_marked(inputs, tools, tool_pieces, contents)
-
-    wanted = [k for k in range(n + len(tools or ())) if k != prefix_piece]
-    tokenize = _memo(tokenize)  # pieces counted for the search are tokenized again below
-    spans, unsearched = locate(
-        text,
-        attempt,
-        wanted,
-        search=_searched(plan, n, len(tools or ()), prefix_piece, config, tokenize),
-        max_renders=search_renders(config),
+        if rest
+        else marked_inputs
     )
+    contents = {k: plan.pieces[k].text for k in subset if k < n}
+    tool_pieces = {k - n: k for k in subset if k >= n}
+    return template.render_marked(inputs, tools, tool_pieces, contents)
+
+
+def _check_marked_found(
+    plan: PiecePlan,
+    wanted: Sequence[int],
+    spans: Sequence[PieceSpan],
+    unsearched: Collection[int],
+    config: PicConfig,
+) -> None:
+    """Raises LayoutError when a piece the client marked (among ``wanted``) has no span
+    in the rendering: the search did not reach it (``unsearched``), or the template does
+    not render it verbatim."""
+    n = len(plan.pieces)
     found = {s.piece for s in spans}
     missing = [
         k for k in wanted if k < n and plan.pieces[k].kind is PieceKind.MARKED and k not in found
@@ -186,19 +262,36 @@ def chat_prompt(
             f"message {plan.owners[missing[0]]}: the chat template does not render its marked "
             "text verbatim (it drops, trims, repeats or rewrites it), so it cannot be a chunk"
         )
+
+
+class _Tokenized(NamedTuple):
+    """The prompt's token ids and each found piece's token span with its kind."""
+
+    ids: list[int]
+    pieces: list[tuple[Span, PieceKind]]
+
+
+def _tokenized(
+    text: str,
+    spans: Sequence[PieceSpan],
+    tokenize: Callable[[str], list[int]],
+    kinds: Sequence[PieceKind],
+    template: ChatTemplate,
+    real: ChatInputs,
+    prefix_piece: int | None,
+) -> _Tokenized:
+    """``text`` tokenized with each of ``spans`` on its own (``tokenize_spans``), then the
+    text ``continue_final_message`` continues (``real.prefix``), which SGLang tokenizes on
+    its own after the rendering's tokens; that text is a piece of kind
+    ``kinds[prefix_piece]`` when ``prefix_piece`` is not None."""
     ids, ranges = tokenize_spans(text, spans, tokenize)
     pieces = [(Span(*r), kinds[s.piece]) for s, r in zip(spans, ranges, strict=True)]
     if real.prefix:
-        # continue_final_message: SGLang tokenizes the continued text on its own after
-        # the rendering's tokens.
         tail = template.encode_prefix(real.prefix)
         if prefix_piece is not None and tail:
             pieces.append((Span(len(ids), len(ids) + len(tail)), kinds[prefix_piece]))
         ids += tail
-    chunks = _chunk_spans(ids, pieces, config)
-    if not chunks:
-        return None
-    return ChatPrompt(ids, PromptLayout(len(ids), tuple(chunks)))
+    return _Tokenized(ids, pieces)
 
 
 def search_renders(config: PicConfig) -> int:

@@ -59,39 +59,65 @@ def chat_inputs(
     body SGLang refuses."""
     from pydantic import ValidationError
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
-    from sglang.srt.parser.jinja_template_utils import process_content_for_template_format
 
     try:
         request = ChatCompletionRequest(**body)
     except (ValidationError, ValueError, TypeError) as e:
         raise LayoutError(f"invalid chat request: {e}") from e
-    # SGLang takes ``reasoning_effort`` out of the request's template options (over the
-    # request's own field) before it merges the server's defaults into them
-    # (``_convert_to_internal_request``, then ``_process_messages``): a default
-    # ``reasoning_effort`` then wins over the request's (it is set again below).
-    if request.chat_template_kwargs:
-        ctk = dict(request.chat_template_kwargs)
-        effort = ctk.pop("reasoning_effort", None)
-        request.chat_template_kwargs = ctk
-        if effort is not None:
-            request.reasoning_effort = effort
-    if defaults:
-        ctk = dict(request.chat_template_kwargs or {})
-        for k, v in defaults.items():
-            ctk.setdefault(k, v)
-        request.chat_template_kwargs = ctk
-        effort = ctk.get("reasoning_effort")
-        if effort is not None and request.reasoning_effort is None:
-            request.reasoning_effort = effort
+    kwargs = _template_kwargs(request.chat_template_kwargs, request.reasoning_effort, defaults)
+    tools = _shown_tools(request)
+    rendered = _template_messages(request, content_format)
+    add_generation_prompt = request._format_add_generation_prompt
+    final = _final_turn(rendered, add_generation_prompt, request.continue_final_message)
+    return ChatInputs(
+        final.messages, tools, kwargs, add_generation_prompt is not False, final.prefix
+    )
 
-    tools = None
-    if _effective_tools(request) and request.tool_choice != "none":
-        if not isinstance(request.tool_choice, str):
-            name = request.tool_choice.function.name
-            tools = [t.model_dump() for t in request.tools or [] if t.function.name == name]
-            tools = tools or None
-        elif request.tools:
-            tools = [t.model_dump() for t in request.tools]
+
+def _template_kwargs(
+    request_kwargs: Mapping[str, Any] | None, effort: Any, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The template options SGLang passes for a request with ``chat_template_kwargs``
+    ``request_kwargs`` and ``reasoning_effort`` ``effort``, over the server's ``defaults``.
+
+    SGLang takes ``reasoning_effort`` out of the request's template options (over the
+    request's own field) before it merges the server's defaults into them
+    (``_convert_to_internal_request``, then ``_process_messages``): a default
+    ``reasoning_effort`` then wins over the request's (it is set again from them)."""
+    ctk = dict(request_kwargs or {})
+    own = ctk.pop("reasoning_effort", None)
+    if own is not None:
+        effort = own
+    for k, v in (defaults or {}).items():  # None reads as no defaults
+        ctk.setdefault(k, v)
+    if effort is None:
+        effort = ctk.get("reasoning_effort")
+    kwargs: dict[str, Any] = {} if effort is None else {"reasoning_effort": effort}
+    kwargs.update(ctk)
+    return kwargs
+
+
+def _shown_tools(request: Any) -> list[dict[str, Any]] | None:
+    """The tools the template shows for SGLang's parsed ``request`` under its
+    ``tool_choice``: none for "none" (or no tools anywhere), the named one for a named
+    choice, else all of the request's."""
+    if not _effective_tools(request) or request.tool_choice == "none":
+        return None
+    if not isinstance(request.tool_choice, str):
+        name = request.tool_choice.function.name
+        tools = [t.model_dump() for t in request.tools or [] if t.function.name == name]
+        return tools or None
+    if request.tools:
+        return [t.model_dump() for t in request.tools]
+    return None
+
+
+def _template_messages(request: Any, content_format: str) -> list[dict[str, Any]]:
+    """SGLang's parsed ``request``'s messages as its chat path hands them to the template:
+    dumped, tool-call arguments decoded, null content made "", content shaped for
+    ``content_format`` and tool results joined. Raises LayoutError for tool-call
+    arguments SGLang refuses."""
+    from sglang.srt.parser.jinja_template_utils import process_content_for_template_format
 
     messages = [m.model_dump() for m in request.messages]
     for m in messages:
@@ -106,24 +132,33 @@ def chat_inputs(
         out = process_content_for_template_format(m, content_format, [], [], [], [])
         out["content"] = join_tool_content(out["role"], out.get("content"))
         rendered.append(out)
+    return rendered
 
-    add_generation_prompt = request._format_add_generation_prompt
-    prefix = None
-    if (add_generation_prompt is None or request.continue_final_message) and rendered:
+
+class _FinalTurn(NamedTuple):
+    """The messages the template renders and the text ``continue_final_message``
+    continues (None: none)."""
+
+    messages: list[dict[str, Any]]
+    prefix: str | None
+
+
+def _final_turn(
+    rendered: list[dict[str, Any]],
+    add_generation_prompt: bool | None,
+    continue_final_message: bool | None,
+) -> _FinalTurn:
+    """``rendered`` with a final assistant text handled as SGLang does: cut off as the
+    prefix under ``continue_final_message``, else made a user turn when the request set
+    no ``add_generation_prompt``; other messages unchanged (``rendered`` is not
+    modified)."""
+    if (add_generation_prompt is None or continue_final_message) and rendered:
         last = rendered[-1]
         if last.get("role") == "assistant" and isinstance(last.get("content"), str):
-            if request.continue_final_message:
-                prefix = last["content"]
-                rendered = rendered[:-1]
-            else:
-                rendered[-1] = {"role": "user", "content": last["content"]}
-
-    kwargs: dict[str, Any] = {}
-    if request.reasoning_effort is not None:
-        kwargs["reasoning_effort"] = request.reasoning_effort
-    if request.chat_template_kwargs:
-        kwargs.update(request.chat_template_kwargs)
-    return ChatInputs(rendered, tools, kwargs, add_generation_prompt is not False, prefix)
+            if continue_final_message:
+                return _FinalTurn(rendered[:-1], last["content"])
+            return _FinalTurn([*rendered[:-1], {"role": "user", "content": last["content"]}], None)
+    return _FinalTurn(rendered, None)
 
 
 def decode_tool_call_arguments(message: dict[str, Any]) -> None:
