@@ -144,7 +144,24 @@ def install(
     stack = model_runner.model.model
     if getattr(stack.forward, WRAPPED, None) is not None:
         return  # installed already: the wrapper (our function) names what it wraps
-    original = stack.forward
+    stack.forward = _wrapped_forward(stack.forward, on_extend, on_bypass)
+    processor = getattr(model_runner.model, "logits_processor", None)
+    if isinstance(processor, torch.nn.Module):
+        processor.register_forward_hook(
+            lambda _m, a, kw, out: logits_end(_logits_metadata(a, kw), out), with_kwargs=True
+        )
+    _hook_layers(stack.layers, layer_start, layer_end, attention_end)
+
+
+def _wrapped_forward(
+    original: StackForward,
+    on_extend: Callable[[StackForward, torch.Tensor, torch.Tensor, Any], torch.Tensor | None],
+    on_bypass: Callable[[Any], None],
+) -> StackForward:
+    """The forward ``install`` sets on the decoder stack in place of ``original`` (named
+    by its ``WRAPPED`` attribute): extend batches with no extra inputs go to
+    ``on_extend``, extend batches with extras to ``on_bypass`` and then ``original``,
+    everything else (and extends ``on_extend`` declines) to ``original`` unchanged."""
 
     def forward(
         input_ids: torch.Tensor,  # [n]
@@ -169,13 +186,18 @@ def install(
         return hidden
 
     setattr(forward, WRAPPED, original)
-    stack.forward = forward
-    processor = getattr(model_runner.model, "logits_processor", None)
-    if isinstance(processor, torch.nn.Module):
-        processor.register_forward_hook(
-            lambda _m, a, kw, out: logits_end(_logits_metadata(a, kw), out), with_kwargs=True
-        )
-    for i, layer in enumerate(stack.layers):
+    return forward
+
+
+def _hook_layers(
+    layers: torch.nn.ModuleList,
+    layer_start: Callable[[int], None],
+    layer_end: Callable[[int], None],
+    attention_end: Callable[[int, Any, torch.Tensor | None], None],
+) -> None:
+    """Puts ``install``'s hooks on the decoder layers: layer_start/layer_end(i) around
+    layer i, attention_end(i, module, q) after each of its RadixAttention modules."""
+    for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda _m, _a, i=i: layer_start(i))
         layer.register_forward_hook(lambda _m, _a, _o, i=i: layer_end(i))
         for attn in radix_attentions(layer):

@@ -46,6 +46,7 @@ from sgl_pic.layout import PromptLayout
 if TYPE_CHECKING:
     from sgl_pic.oracle import Oracle
     from sgl_pic.oracle.oracle import ChunkKV
+    from sgl_pic.prompts import ChunkedPrompt
 
 # Far enough that a rotation error in any frequency band shows, within every model's range.
 ROTATION_SHIFT = 3000
@@ -170,12 +171,14 @@ def run_check(
 def _checks(
     path: str, config: PicConfig, limits: CheckThresholds, floor: bool = True
 ) -> tuple[list[CheckResult], int, PrecisionFloor | None]:
+    """Every check of ``run_check`` on the model at ``path`` over the built-in prompts:
+    the checks in order (rotation, exact, kl, agreement), the number of prompts, and the
+    precision floor (None unless ``floor``). Raises where the model cannot be run."""
     import transformers
 
     from sgl_pic.cli.check_prompts import PASSAGES, PROMPTS, SYSTEM
     from sgl_pic.oracle import Oracle
     from sgl_pic.prompts import build_prompt
-    from sgl_pic.selection import make_policy
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     oracle = Oracle.from_pretrained(path)
@@ -184,14 +187,64 @@ def _checks(
         for p in PROMPTS
     ]
     out = [_rotation(oracle, prompts[0].token_ids, prompts[0].layout, limits)]
+    exact_configs = _exact_configs(config)
+    figures = _measure_prompts(oracle, prompts, config, exact_configs, limits.new_tokens)
+    out += _figure_checks(figures, config, [c.policy for c in exact_configs], limits)
+    if not floor:
+        return out, len(prompts), None
+    low = oracle_in_dtype(oracle, torch.bfloat16)
+    measured = measure_floor(
+        low, [p.token_ids for p in prompts], figures.ref_logits, figures.ref_tokens
+    )
+    return out, len(prompts), with_multiples(measured, figures.kl, figures.kl_reuse)
 
+
+def _exact_configs(config: PicConfig) -> list[PicConfig]:
+    """The configs that must give full prefill's logits: full recompute, and the
+    configured policy at a budget of every reused token where it has one."""
     exact_configs = [config.with_overrides(policy="full_recompute")]
     full_budget = _full_budget(config)
     if full_budget is not None:
         exact_configs.append(full_budget)
-    reuse = config.with_overrides(policy="full_reuse")
+    return exact_configs
+
+
+class _PromptFigures(NamedTuple):
+    """What ``_measure_prompts`` measured, one entry per prompt in each list."""
+
+    worst_exact: float  # largest |logit| difference of an exact config to full prefill
+    kls: list[float]  # the policy's first-token KL to full prefill
+    reuse_kls: list[float]  # full reuse's (chunks encoded alone) first-token KL
+    agreements: list[float]  # the policy's greedy agreement with full prefill
+    ref_logits: list[torch.Tensor]  # each [vocab] exact float32 prefill's first logits
+    ref_tokens: list[torch.Tensor]  # each [new_tokens] exact float32's greedy tokens
+
+    @property
+    def kl(self) -> float:
+        """The policy's mean first-token KL."""
+        return statistics.fmean(self.kls)
+
+    @property
+    def kl_reuse(self) -> float:
+        """Full reuse's mean first-token KL."""
+        return statistics.fmean(self.reuse_kls)
+
+
+def _measure_prompts(
+    oracle: Oracle,
+    prompts: Sequence[ChunkedPrompt],
+    config: PicConfig,
+    exact_configs: Sequence[PicConfig],
+    new_tokens: int,
+) -> _PromptFigures:
+    """Full prefill, every exact config, the configured policy and full reuse of chunks
+    encoded alone on each prompt, with ``new_tokens`` greedy tokens of full prefill and
+    the policy, compared."""
+    from sgl_pic.selection import make_policy
+
     worst_exact, kls, reuse_kls, agreements = 0.0, [], [], []
     ref_logits, ref_tokens = [], []  # exact float32's, for the precision floor
+    reuse = config.with_overrides(policy="full_reuse")
     for prompt in prompts:
         ids, layout = prompt.token_ids, prompt.layout
         full = oracle.prefill(ids)
@@ -204,28 +257,32 @@ def _checks(
         # Full reuse of chunks encoded alone: the baseline every figure is read against.
         base = oracle.reuse(ids, layout, alone, make_policy(reuse))
         tokens = oracle.generate_batch(
-            [full.kv, ours.kv],
-            torch.stack([full.logits, ours.logits]),
-            limits.new_tokens,
+            [full.kv, ours.kv], torch.stack([full.logits, ours.logits]), new_tokens
         )
         kls.append(first_token_kl(full.logits, ours.logits))
         reuse_kls.append(first_token_kl(full.logits, base.logits))
         agreements.append(greedy_agreement(tokens[0], tokens[1]))
         ref_logits.append(full.logits)
         ref_tokens.append(tokens[0])
-    names = ", ".join(c.policy for c in exact_configs)
-    out.append(
+    return _PromptFigures(worst_exact, kls, reuse_kls, agreements, ref_logits, ref_tokens)
+
+
+def _figure_checks(
+    figures: _PromptFigures, config: PicConfig, exact_names: list[str], limits: CheckThresholds
+) -> list[CheckResult]:
+    """The exact, kl and agreement checks of ``figures`` against ``limits``."""
+    worst_exact, kl, kl_reuse = figures.worst_exact, figures.kl, figures.kl_reuse
+    names = ", ".join(exact_names)
+    ratio = kl / kl_reuse if kl_reuse > 0 else 0.0
+    agreement = statistics.fmean(figures.agreements)
+    return [
         CheckResult(
             "exact",
             worst_exact <= limits.exact_tol,
             worst_exact,
             limits.exact_tol,
             f"largest logit difference to full prefill of {names}: {worst_exact:.2e}",
-        )
-    )
-    kl, kl_reuse = statistics.fmean(kls), statistics.fmean(reuse_kls)
-    ratio = kl / kl_reuse if kl_reuse > 0 else 0.0
-    out.append(
+        ),
         CheckResult(
             "kl",
             ratio <= limits.max_kl_ratio,
@@ -233,23 +290,15 @@ def _checks(
             limits.max_kl_ratio,
             f"{config.policy} first-token KL {kl:.4f} is {ratio:.2f} of full reuse's "
             f"{kl_reuse:.4f}",
-        )
-    )
-    agreement = statistics.fmean(agreements)
-    out.append(
+        ),
         CheckResult(
             "agreement",
             agreement >= limits.min_agreement,
             agreement,
             limits.min_agreement,
             f"{config.policy} greedy agreement over {limits.new_tokens} tokens {agreement:.2f}",
-        )
-    )
-    if not floor:
-        return out, len(prompts), None
-    low = oracle_in_dtype(oracle, torch.bfloat16)
-    measured = measure_floor(low, [p.token_ids for p in prompts], ref_logits, ref_tokens)
-    return out, len(prompts), with_multiples(measured, kl, kl_reuse)
+        ),
+    ]
 
 
 class FloorMeasure(NamedTuple):

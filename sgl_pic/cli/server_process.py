@@ -77,39 +77,14 @@ def server_process(
     deadline = time.monotonic() + startup_timeout_s
     for attempt in range(1, PORT_TRIES + 1):
         port = free_port()
-        fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
-        cmd = [sys.executable, "-m", module, "--port", str(port), *args]
-        with os.fdopen(fd, "w") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=preexec,
-                env=None if env is None else dict(env),
-                cwd=cwd,
-            )
+        proc, log_path = _launch(
+            [module, "--port", str(port), *args], log_prefix, preexec, env, cwd
+        )
         url = f"http://127.0.0.1:{port}"
-        taken = False
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited with {proc.returncode}:\n{log_tail(log_path)}"
-                    )
-                try:
-                    if requests.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                taken = attempt < PORT_TRIES and _port_taken(log_path, port)
-                if taken:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"server not healthy in {startup_timeout_s}s:\n{log_tail(log_path)}"
-                    )
-                time.sleep(2)
+            taken = _wait_healthy(
+                proc, url, log_path, port, deadline, startup_timeout_s, attempt < PORT_TRIES
+            )
         except BaseException:
             _stop(proc)
             raise
@@ -121,3 +96,55 @@ def server_process(
         finally:
             _stop(proc)
         return
+
+
+def _launch(
+    module_args: Sequence[str],
+    log_prefix: str,
+    preexec: Callable[[], None] | None,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts ``python -m <module_args>`` in a new session, its stdout and stderr to a new
+    temporary log; returns the process and the log's path."""
+    fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+    cmd = [sys.executable, "-m", *module_args]
+    with os.fdopen(fd, "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec,
+            env=None if env is None else dict(env),
+            cwd=cwd,
+        )
+    return proc, log_path
+
+
+def _wait_healthy(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    log_path: str,
+    port: int,
+    deadline: float,
+    startup_timeout_s: float,
+    may_retry: bool,
+) -> bool:
+    """Polls ``url``/health until it answers 200 (False) or, where ``may_retry``, the log
+    shows ``port`` was taken before the server bound it (True). Raises RuntimeError with
+    the log's tail if the server exits or ``deadline`` (monotonic) passes; the caller
+    stops the process."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_tail(log_path)}")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return False
+        except requests.RequestException:
+            pass
+        if may_retry and _port_taken(log_path, port):
+            return True
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not healthy in {startup_timeout_s}s:\n{log_tail(log_path)}")
+        time.sleep(2)

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -227,31 +227,7 @@ class ChunkExecutor:
             t0 = time.perf_counter()
             missed = loader.stats().misses if loader is not None else 0
             try:
-                with single_thread():
-                    self.lookup.run(plans, ctx)
-                    self.assemble.run(plans, ctx)
-                self.phase1.run(plans, ctx)
-                t1 = time.perf_counter()
-                self.signals.run(plans, ctx)
-                self.select.run(plans, ctx)
-                self.first_pieces.run(plans, ctx)
-                self.phase2.run(plans, ctx)
-                t2 = time.perf_counter()
-                # Feeds list a record that failed mid-load, or a layer not loaded in time,
-                # and go on (``layer_feed``): the ranks agree on both here, after every
-                # forward of the attempt, in one collective.
-                bad = loader is not None and loader.stats().misses > missed
-                in_time, loaded, sound = self.ranks.all_of(
-                    [not ctx.feed_timed_out, not ctx.feed_failed, not bad]
-                )
-                if not in_time:
-                    raise FeedTimeout("a layer's reused KV was not loaded in time")
-                if not loaded:
-                    raise RuntimeError("a layer feed failed during phase 2")
-                if not sound:
-                    raise MissingChunkError("a lower-tier record failed while loading")
-                with single_thread():
-                    self.promote.run(plans, ctx)
+                times = _run_steps(self, plans, ctx, t0, missed)
                 break
             except MissingChunkError:
                 # A host/disk record failed its checks mid-load on some rank; its store has
@@ -272,7 +248,7 @@ class ChunkExecutor:
                 if self.lower is not None:
                     self.metrics.record_store_errors(self.lower.store.stats().errors)
                     self.lower.export_stats(self.metrics)
-        report(plans, t1 - t0, t2 - t1, self.metrics)
+        report(plans, times.first_s, times.second_s, self.metrics)
         assert ctx.hidden is not None
         return ctx.hidden
 
@@ -308,6 +284,51 @@ class ChunkExecutor:
     def close(self) -> None:
         """Joins the promoter's worker (shutdown)."""
         self.promoter.close()
+
+
+class _StepTimes(NamedTuple):
+    """Seconds of one attempt's steps, as ``report`` logs them."""
+
+    first_s: float  # lookups, assembly and phase 1
+    second_s: float  # signals, selection, first pieces and phase 2
+
+
+def _run_steps(
+    executor: ChunkExecutor, plans: Plans, ctx: BatchContext, t0: float, missed: int
+) -> _StepTimes:
+    """One attempt of ``ChunkExecutor._attempts``: every step in order, the ranks'
+    agreement on the feeds (``_agree_feeds``), then promotion. ``t0``: when the attempt
+    began; ``missed``: the lower-tier loader's misses then (0 without one). Raises
+    ``MissingChunkError`` where a record failed while loading on any rank."""
+    with single_thread():
+        executor.lookup.run(plans, ctx)
+        executor.assemble.run(plans, ctx)
+    executor.phase1.run(plans, ctx)
+    t1 = time.perf_counter()
+    executor.signals.run(plans, ctx)
+    executor.select.run(plans, ctx)
+    executor.first_pieces.run(plans, ctx)
+    executor.phase2.run(plans, ctx)
+    t2 = time.perf_counter()
+    loader = executor.lower.loader if executor.lower is not None else None
+    _agree_feeds(executor.ranks, ctx, loader is not None and loader.stats().misses > missed)
+    with single_thread():
+        executor.promote.run(plans, ctx)
+    return _StepTimes(t1 - t0, t2 - t1)
+
+
+def _agree_feeds(ranks: RankAgreement, ctx: BatchContext, bad: bool) -> None:
+    """Raises when any rank's feeds failed: ``FeedTimeout`` for a layer not loaded in time,
+    RuntimeError for a failed feed, ``MissingChunkError`` for a record that failed while
+    loading (``bad``). Feeds list these and go on (``layer_feed``): the ranks agree on
+    them here, after every forward of the attempt, in one collective."""
+    in_time, loaded, sound = ranks.all_of([not ctx.feed_timed_out, not ctx.feed_failed, not bad])
+    if not in_time:
+        raise FeedTimeout("a layer's reused KV was not loaded in time")
+    if not loaded:
+        raise RuntimeError("a layer feed failed during phase 2")
+    if not sound:
+        raise MissingChunkError("a lower-tier record failed while loading")
 
 
 def report(plans: Plans, first_s: float, second_s: float, metrics: PicMetrics) -> None:

@@ -95,11 +95,39 @@ def classify(
     admitted, or no ``lookup_tail``). A whole miss not admitted is deferred: forced, and
     fresh text in ``plan.layout`` from here on."""
     layout = plan.pending.request.layout
+    counts = _classify_chunks(plan, lookup, lookup_tail)
+    plan.stats = _request_stats(plan, counts)
+    if plan.deferred:
+        kept = tuple(s for s in layout.chunks if (s.start, s.end) not in plan.deferred)
+        plan.fresh_layout = PromptLayout(layout.num_tokens, kept)
+    none = torch.empty(0, dtype=torch.int64)  # host: planning
+    plan.forced = torch.cat(counts.forced) if counts.forced else none
+
+
+class _ChunkCounts(NamedTuple):
+    """What ``_classify_chunks`` counted over a request's chunks."""
+
+    device: int  # chunks inside the device prefix
+    contiguous: int  # hits before the first miss
+    disjoint: int  # hits after a miss
+    reused: int  # tokens of hits past the device prefix
+    by_tier: dict[str, int]  # hits per tier (every name of TIERS)
+    forced: list[torch.Tensor]  # each [m] int64 positions recomputed whatever the policy says
+
+
+def _classify_chunks(
+    plan: RequestPlan,
+    lookup: Callable[[int, int], ChunkLookup],
+    lookup_tail: Callable[[int, int, int], ChunkLookup] | None,
+) -> _ChunkCounts:
+    """Looks up each chunk of the request's layout in prompt order (``classify``'s
+    contract) and appends to the plan's rankings (one per chunk), hit spans, misses,
+    deferred chunks and tiers; returns the counts and the forced position ranges."""
     device = contiguous = disjoint = reused = 0
     by_tier = dict.fromkeys(TIERS, 0)
     forced: list[torch.Tensor] = []
     seen_miss = False
-    for span in layout.chunks:
+    for span in plan.pending.request.layout.chunks:
         if span.end <= plan.prefix:
             device += 1
             # Never recomputed (finalize drops the device prefix), so its ranking cannot
@@ -107,24 +135,12 @@ def classify(
             plan.rankings.append(torch.zeros(span.length))  # host: planning
             continue
         start = max(span.start, plan.prefix)
-        if span.start < plan.prefix:
-            # Part device prefix, part new: SGLang's radix cache matched the chunk's first
-            # tokens (text that other prompts share there, such as a "Passage:" label, or
-            # the prefix ended at a page boundary). The rest is the chunk's KV from a copy
-            # (device, host or disk) when it has one; a miss store admission takes is
-            # encoded whole by phase 1 apart from the prefix's shared slots, stored, and
-            # its rows from the prefix on reused (``misses`` then starts before the prefix).
-            hit = lookup_tail(span.start, span.end, start) if lookup_tail else None
-            if hit is None:
-                forced.append(torch.arange(start, span.end))  # host: planning
-                seen_miss = True
-                plan.rankings.append(torch.zeros(span.length))  # host: planning
-                continue
-        else:
-            hit = lookup(span.start, span.end)
-        if hit.tier is None and not hit.admit:
+        hit = _lookup_chunk(span.start, span.end, plan.prefix, lookup, lookup_tail)
+        if hit is None or (hit.tier is None and not hit.admit):
+            # Recomputed in context: a tail with no copy, or a miss not admitted (deferred
+            # when whole, else its ranking is flat like a device-prefix chunk's).
             forced.append(torch.arange(start, span.end))  # host: planning
-            if start == span.start:
+            if hit is not None and start == span.start:
                 plan.deferred.append((span.start, span.end))
             else:
                 plan.rankings.append(torch.zeros(span.length))  # host: planning
@@ -143,29 +159,49 @@ def classify(
             disjoint += 1
         else:
             contiguous += 1
+    return _ChunkCounts(device, contiguous, disjoint, reused, by_tier, forced)
+
+
+def _lookup_chunk(
+    start: int,
+    end: int,
+    prefix: int,
+    lookup: Callable[[int, int], ChunkLookup],
+    lookup_tail: Callable[[int, int, int], ChunkLookup] | None,
+) -> ChunkLookup | None:
+    """Where chunk [start, end), which ends past the device prefix, is reused from; None
+    for a chunk the prefix ends inside when there is no ``lookup_tail``."""
+    if start >= prefix:
+        return lookup(start, end)
+    # Part device prefix, part new: SGLang's radix cache matched the chunk's first tokens
+    # (text that other prompts share there, such as a "Passage:" label, or the prefix
+    # ended at a page boundary). The rest is the chunk's KV from a copy (device, host or
+    # disk) when it has one; a miss store admission takes is encoded whole by phase 1
+    # apart from the prefix's shared slots, stored, and its rows from the prefix on
+    # reused (``misses`` then starts before the prefix).
+    return lookup_tail(start, end, prefix) if lookup_tail else None
+
+
+def _request_stats(plan: RequestPlan, counts: _ChunkCounts) -> RequestStats:
+    """The plan's stats after classification (nothing selected or recomputed yet)."""
     l_cont = contiguous_hit_length(plan.prefix, plan.hit_spans)
-    plan.stats = RequestStats(
-        chunks=len(layout.chunks),
-        device_prefix_chunks=device,
-        contiguous_hits=contiguous,
-        disjoint_hits=disjoint,
+    return RequestStats(
+        chunks=len(plan.pending.request.layout.chunks),
+        device_prefix_chunks=counts.device,
+        contiguous_hits=counts.contiguous,
+        disjoint_hits=counts.disjoint,
         misses=0,
-        reused_tokens=reused,
+        reused_tokens=counts.reused,
         recomputed_tokens=0,
         new_tokens=plan.num_tokens - plan.prefix,
         selection_seconds=0.0,
-        device_hits=by_tier["device"],
-        host_hits=by_tier["host"],
-        disk_hits=by_tier["disk"],
-        shared_hits=by_tier["shared"],
+        device_hits=counts.by_tier["device"],
+        host_hits=counts.by_tier["host"],
+        disk_hits=counts.by_tier["disk"],
+        shared_hits=counts.by_tier["shared"],
         prefix_hit_tokens=max(plan.prefix, l_cont),
         deferred=len(plan.deferred),
     )
-    if plan.deferred:
-        kept = tuple(s for s in layout.chunks if (s.start, s.end) not in plan.deferred)
-        plan.fresh_layout = PromptLayout(layout.num_tokens, kept)
-    none = torch.empty(0, dtype=torch.int64)  # host: planning
-    plan.forced = torch.cat(forced) if forced else none
 
 
 class Signals(Protocol):
