@@ -17,19 +17,10 @@ MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 250
 # "module (relative to sgl_pic/):function" -> why it stays over MAX_FUNCTION_LINES
 ALLOWED_FUNCTIONS: dict[str, str] = {
-    "binding/model_hooks.py:install": "not split yet",
-    "binding/phase_batch.py:build_phase_batch": "not split yet",
-    "cli/check.py:_checks": "not split yet",
-    "cli/server_process.py:server_process": "not split yet",
-    "core/gate.py:_admit": "not split yet",
-    "engine/executor.py:_attempts": "not split yet",
-    "engine/planner.py:classify": "not split yet",
-    "http/chat_chunks.py:chat_prompt": "not split yet",
-    "http/chat_render.py:chat_inputs": "not split yet",
-    "ops/cuda_build.py:build_library": "not split yet",
-    "store/disk.py:put": "not split yet",
-    "store/record_header.py:parse_header": "not split yet",
-    "store/shared_writer.py:put": "not split yet",
+    # One dataclasses.replace over the live ForwardBatch names every field the backends'
+    # extend planning reads as a literal keyword; tests/binding/test_backend_contracts.py
+    # checks those keywords against SGLang's source, so they stay in that one call.
+    "binding/phase_batch.py:build_phase_batch": "every field of the phase batch in one call",
 }
 # module (relative to sgl_pic/) -> the class allowed over MAX_CLASS_LINES
 ALLOWED_CLASSES = {
@@ -55,9 +46,9 @@ def test_no_function_over_the_limit_unless_named() -> None:
     long = {}
     for rel, _, tree in _trees():
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                if _lines(node) > MAX_FUNCTION_LINES:
-                    long[f"{rel}:{node.name}"] = _lines(node)
+            is_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            if is_function and _lines(node) > MAX_FUNCTION_LINES:
+                long[f"{rel}:{node.name}"] = _lines(node)
     unexpected = {name: n for name, n in long.items() if name not in ALLOWED_FUNCTIONS}
     assert not unexpected, unexpected
     gone = [name for name in ALLOWED_FUNCTIONS if name not in long]
