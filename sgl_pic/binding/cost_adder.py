@@ -43,6 +43,7 @@ from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
 from sgl_pic.config import PicConfig
 from sgl_pic.core.gate import AdmittedMarks
+from sgl_pic.engine.eligibility import ExtendView, refusal
 from sgl_pic.engine.planned_cost import PlannedCost, TierPresence
 
 logger = logging.getLogger(__name__)
@@ -69,24 +70,29 @@ class PlannedCharges:
         marks, other tokens than admitted, a resume after a retraction, input-token
         logprobs, input embeddings, or no estimate: SGLang's charge stands). Never raises."""
         pending = self.marks.get(req.rid)
-        if pending is None or getattr(req, "input_embeds", None) is not None:
+        if pending is None:
             return None
         fill = len(req.full_untruncated_fill_ids)
-        # The checks ``PicRuntime.prepare_batch`` and ``batch.chunk_specs`` make of the batch.
-        if fill != len(pending.token_ids) or tuple(req.origin_input_ids) != pending.token_ids:
-            return None
         extend = fill - prefix_len
-        if extend <= 0:
-            return None
-        if req.return_logprob:
+        start = None
+        if req.return_logprob and extend > 0:
             start = compute_extend_logprob_start_len(
                 logprob_start_len=req.logprob_start_len,
                 prefix_len=prefix_len,
                 extend_len=extend,
                 full_untruncated_fill_len=fill,
             )
-            if start < extend - 1:
-                return None
+        view = ExtendView(
+            req.origin_input_ids,
+            fill,
+            extend,
+            start,
+            getattr(req, "input_embeds", None) is not None,
+        )
+        # Charged at the plan only when extended whole (``eligibility``, as the batch
+        # hand-off and ``batch.chunk_specs`` decide it).
+        if extend <= 0 or fill != len(pending.token_ids) or refusal(pending.token_ids, view):
+            return None
         try:
             config = pending.request.config(self.server_config)
             return self.estimator.estimate(pending, config, prefix_len).cost

@@ -40,6 +40,7 @@ from sgl_pic.binding.phases import PhaseRunner
 from sgl_pic.core.drift_signal import DriftSignal
 from sgl_pic.core.gate import AdmissionGate, AdmittedMarks, Pending
 from sgl_pic.core.metrics import PicMetrics
+from sgl_pic.engine.eligibility import ExtendView, refusal
 from sgl_pic.engine.executor import ChunkExecutor
 from sgl_pic.engine.rank_agreement import PeerFailed, RankAgreement
 
@@ -96,7 +97,8 @@ class PicRuntime:
             pending = self.marks.get(req.rid)
             if pending is None:
                 continue
-            if tuple(req.origin_input_ids) != pending.token_ids:
+            ids = req.origin_input_ids
+            if refusal(pending.token_ids, ExtendView(ids, len(ids), len(ids))) is not None:
                 logger.warning(
                     "sgl_pic: request %s changed tokens after admission; it runs without reuse",
                     req.rid,

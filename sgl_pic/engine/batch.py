@@ -11,7 +11,7 @@ Steps run on the scheduler's forward thread, in that order, once per attempt.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -22,6 +22,7 @@ from sgl_pic.core.gate import Pending
 from sgl_pic.core.metrics import PicMetrics
 from sgl_pic.core.runs import Run
 from sgl_pic.engine import planner
+from sgl_pic.engine.eligibility import ExtendView, Refusal, refusal
 from sgl_pic.engine.phase_port import Stack
 from sgl_pic.engine.pieces import CarriedPlan, PiecePlans
 from sgl_pic.engine.planner import RequestPlan
@@ -136,6 +137,17 @@ class BatchSpecs(NamedTuple):
     pieces: dict[int, PieceSpec]
 
 
+def live_view(live: Any, b: int, ids: Sequence[int], start: int, end: int) -> ExtendView:
+    """Request ``b`` of the live batch as ``eligibility`` reads it: its extend [start,
+    end) over the ids the scheduler verified when it handed it off; the first input row
+    whose logprob it asks for (-1: asked, rows unknown)."""
+    logprob_start = None
+    if getattr(live, "return_logprob", False):
+        starts = getattr(live, "extend_logprob_start_lens_cpu", None)
+        logprob_start = -1 if starts is None else int(starts[b])
+    return ExtendView(ids, end, end - start, logprob_start)
+
+
 def chunk_specs(
     live: Any,
     handoff: Mapping[str, Pending],
@@ -169,14 +181,15 @@ def chunk_specs(
             if plan is not None and (start != plan.next_start or end > plan.num_tokens):
                 carried.drop(rid)
                 plan = None
-            if end > len(pending.token_ids):
+            why = refusal(pending.token_ids, live_view(live, b, pending.token_ids, start, end))
+            if why is Refusal.RESUMED:
                 # SGLang retracted it under KV pressure (``retract_decode``) and now
                 # prefills its prompt and the output so far again: its prompt's KV comes
                 # from its own namespace of the prefix tree where still held, the rest
                 # is computed as SGLang would. Not a fallback: the prompt was served.
                 logger.info("sgl_pic: request %s resumes after a retraction", rid)
                 metrics.resumed.inc()
-            elif planner.wants_input_logprobs(live, b):
+            elif why is Refusal.INPUT_LOGPROBS:
                 logger.warning("sgl_pic: request %s runs without reuse", rid)
                 metrics.fallbacks.inc()
                 carried.drop(rid)

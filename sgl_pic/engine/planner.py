@@ -277,17 +277,6 @@ def pool_rows(fb: Any) -> list[int]:
     return [int(r) for r in rows.tolist()]
 
 
-def wants_input_logprobs(fb: Any, b: int) -> bool:
-    """Whether request ``b`` of the live batch needs logits of input rows other than its
-    last one (rows the chunk path does not compute)."""
-    if not getattr(fb, "return_logprob", False):
-        return False
-    starts = getattr(fb, "extend_logprob_start_lens_cpu", None)
-    if starts is None:
-        return True
-    return int(starts[b]) < int(fb.extend_seq_lens_cpu[b]) - 1
-
-
 def contiguous_hit_length(prefix: int, hits: list[tuple[int, int]]) -> int:
     """DARIC's L_cont: how far from position 0 the prompt is covered by the device prefix
     and reused chunks without a gap (fresh text or a missed chunk ends it)."""
