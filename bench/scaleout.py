@@ -319,7 +319,7 @@ def run_config(args: argparse.Namespace, w: Workload, mode: str, policy: str) ->
     extra = args.server_args.split()
     with ExitStack() as stack:
         if mode == "shared":
-            from sgl_pic.store.shared_service import ServiceConfig, shared_store
+            from sgl_pic.store.shared.service import ServiceConfig, shared_store
 
             svc = stack.enter_context(
                 shared_store(ServiceConfig(port=args.store_port, memory_mb=args.store_mb))

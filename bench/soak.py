@@ -5,7 +5,7 @@ injected in windows, resources sampled, and every answer, window and series reco
     python bench/soak.py --smoke --out /tmp/soak.json      # the pipeline in ~3 minutes
     python bench/soak.py --clients 6 --minutes 20 --no-shared-store
 
-It starts the shared store (Mooncake, ``sgl_pic.store.shared_service``) and two servers
+It starts the shared store (Mooncake, ``sgl_pic.store.shared.service``) and two servers
 (``python -m sgl_pic.launch_server``, each in its own process group) joined to it: server a
 keeps its disk tier on a small tmpfs mounted for the run (``--disk-mb``), server b on a
 temporary directory. Both get ``--chunked-prefill-size 512`` (the CPU default is 4096: the
@@ -302,7 +302,7 @@ def main() -> int:
         store, store_t = None, 0.0
         common = [*SERVER_DEFAULTS, "--pic-disk-cache-mb", str(args.disk_mb * 3 // 4)]
         if not args.no_shared_store:
-            from sgl_pic.store.shared_service import ServiceConfig, SharedStoreService
+            from sgl_pic.store.shared.service import ServiceConfig, SharedStoreService
 
             port = free_ports(4)
             logs = tempfile.mkdtemp(prefix="sgl_pic_soak_store_")

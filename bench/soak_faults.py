@@ -63,7 +63,7 @@ class Faults:
 
     traffic: Traffic
     mount: Path | None  # the small filesystem server a's disk tier lives on (None: none)
-    store: Any  # sgl_pic.store.shared_service.SharedStoreService | None
+    store: Any  # sgl_pic.store.shared.service.SharedStoreService | None
     probes: list[tuple[list[int], list[list[int]]]]  # fresh prompts: ids, chunk spans
     windows: list[Window] = field(default_factory=list)
     scans: dict[str, DiskScan] = field(default_factory=dict)

@@ -16,7 +16,7 @@ start)
         echo "already running (pid $(cat "$dir/service.pid"))" >&2
         exit 1
     fi
-    python -m sgl_pic.store.shared_service --log-dir "$dir" "$@" >"$dir/url" 2>"$dir/service.log" &
+    python -m sgl_pic.store.shared.service --log-dir "$dir" "$@" >"$dir/url" 2>"$dir/service.log" &
     echo $! >"$dir/service.pid"
     for _ in $(seq 300); do
         if [ -s "$dir/url" ]; then cat "$dir/url"; exit 0; fi

@@ -167,7 +167,7 @@ for _name, _target in (
 STORES: Registry[type[Any]] = Registry("store", "stores")  # ChunkStore subclasses
 for _name, _target in (
     ("host", "sgl_pic.store.host:HostStore"),
-    ("disk", "sgl_pic.store.disk:DiskStore"),
+    ("disk", "sgl_pic.store.disk.store:DiskStore"),
     ("tiered", "sgl_pic.store.tiered:TieredStore"),
 ):
     STORES.add_lazy(_name, _target)

@@ -67,7 +67,7 @@ def lower_tiers_of(settings: Any, fingerprint: Any, spec: Any, layout: Any = Non
     import tempfile
 
     from sgl_pic.engine.lower_tiers import LowerTiers
-    from sgl_pic.store.disk import DiskStoreConfig
+    from sgl_pic.store.disk.store import DiskStoreConfig
     from sgl_pic.store.host import HostStoreConfig
     from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 

@@ -26,7 +26,7 @@ from sgl_pic.engine.lower_tiers import LowerHit, LowerTiers
 from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStore, HostStoreConfig
 from sgl_pic.store.loader import LoaderConfig, SparseLoader
 from sgl_pic.store.tiered import Tier, TieredStore, TieredStoreConfig

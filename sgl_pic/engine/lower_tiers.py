@@ -21,7 +21,7 @@ from sgl_pic.keys import ModelFingerprint, SegmentKey, segment_keys
 from sgl_pic.rope import RopeLayout, rotate_layers
 from sgl_pic.store.base import ChunkKV, RecordLayout
 from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader
-from sgl_pic.store.shared import SharedStore
+from sgl_pic.store.shared.store import SharedStore
 from sgl_pic.store.tiered import ShutdownReport, Tier, TieredStore
 
 # Below the device chunk nodes, fastest first (a chunk's tier is the slowest of its segments').
@@ -292,7 +292,7 @@ def open_shared_tier(
     fingerprint's digest). Never waits for the store: it is joined in the background, and
     until then (and whenever it is down) lookups miss and writes are skipped, counted,
     with one log line per outage."""
-    from sgl_pic.store.shared import SharedStoreConfig
+    from sgl_pic.store.shared.store import SharedStoreConfig
 
     logger.info("sgl_pic: shared chunk tier at %s", url)
     return SharedStore(SharedStoreConfig(url), model_digest, layout=layout)

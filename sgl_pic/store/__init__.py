@@ -23,7 +23,7 @@ from sgl_pic.store.cost_model import (
     ttft,
 )
 from sgl_pic.store.deletion import DeleteReport, Deletion, content_digest, segment_contents
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.errors import (
     BadMagicError,
     CorruptRecordError,
@@ -44,7 +44,7 @@ from sgl_pic.store.loader import (
     SparseLoader,
     complement,
 )
-from sgl_pic.store.shared import SharedStore, SharedStoreConfig
+from sgl_pic.store.shared.store import SharedStore, SharedStoreConfig
 from sgl_pic.store.store_link import LinkConfig
 from sgl_pic.store.tiered import DeviceTier, TieredStore, TieredStoreConfig
 

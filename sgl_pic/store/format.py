@@ -19,16 +19,16 @@ file before parsing its header. Checksums are SHA-256 per (layer, K or V, block 
 ``block_tokens`` tokens): a sparse read verifies just the blocks it touches and still
 never returns an unverified byte. Nothing is pickled; tensors go through numpy buffers.
 
-The header is ``record_header``; the payload encoding ``record_encode``; atomic writes and
-temp files ``record_write``; checked reads ``record_read``. This module is their public
+The header is ``record.header``; the payload encoding ``record.encode``; atomic writes and
+temp files ``record.write``; checked reads ``record.read``. This module is their public
 face: callers import the format from here.
 """
 
 from __future__ import annotations
 
 from sgl_pic.store.errors import RecordShapeError, StoreError
-from sgl_pic.store.record_encode import EncodedRecord, encode_header, encode_record
-from sgl_pic.store.record_header import (
+from sgl_pic.store.record.encode import EncodedRecord, encode_header, encode_record
+from sgl_pic.store.record.header import (
     ALIGN,
     DIGEST_BYTES,
     FORMAT_VERSION,
@@ -39,14 +39,14 @@ from sgl_pic.store.record_header import (
     RecordHeader,
     file_name,
 )
-from sgl_pic.store.record_read import (
+from sgl_pic.store.record.read import (
     NotRegularFileError,
     RecordFile,
     open_regular,
     read_header,
     read_record,
 )
-from sgl_pic.store.record_write import (
+from sgl_pic.store.record.write import (
     TMP_PREFIX,
     TmpOwner,
     WriteCancelled,

@@ -1,13 +1,13 @@
 """Byte-level clients of a distributed object store that several servers share.
 
-``SharedStore`` (``sgl_pic.store.shared``) keeps chunk records there in the disk tier's
+``SharedStore`` (``sgl_pic.store.shared.store``) keeps chunk records there in the disk tier's
 file layout (``sgl_pic.store.format``); this module only moves bytes: set-if-absent puts,
 existence and size queries, byte-range reads (so a sparse load moves only the blocks it
 verifies) and removal. ``MooncakeBackend`` speaks to Mooncake Store (the master plus the
 TCP transport of ``mooncake-transfer-engine-non-cuda``), SGLang's cross-instance KV tier.
 
 Store URLs: ``mooncake://HOST:PORT`` names the master's RPC port; its HTTP metadata server
-is taken to listen on PORT + 1 (as ``sgl_pic.store.shared_service`` starts it) unless the
+is taken to listen on PORT + 1 (as ``sgl_pic.store.shared.service`` starts it) unless the
 query says ``?metadata=http://...``.
 """
 

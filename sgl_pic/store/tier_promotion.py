@@ -11,9 +11,9 @@ import threading
 from collections.abc import Sequence
 
 from sgl_pic.store.deletion_log import DeletionLog
-from sgl_pic.store.disk import DiskStore
+from sgl_pic.store.disk.store import DiskStore
 from sgl_pic.store.host import HostStore
-from sgl_pic.store.shared import SharedStore
+from sgl_pic.store.shared.store import SharedStore
 from sgl_pic.store.write_back import WriteBack
 
 

@@ -10,9 +10,9 @@ import threading
 import time
 from typing import NamedTuple
 
-from sgl_pic.store.disk import DiskStore
+from sgl_pic.store.disk.store import DiskStore
 from sgl_pic.store.host import HostStore
-from sgl_pic.store.shared import SharedStore
+from sgl_pic.store.shared.store import SharedStore
 from sgl_pic.store.write_back import WriteBack
 
 

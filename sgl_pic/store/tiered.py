@@ -2,7 +2,7 @@
 host records to disk, write-back of new records, and promotion of disk and shared hits
 into host memory.
 
-The shared tier (``sgl_pic.store.shared``, a store several servers use) is the last one
+The shared tier (``sgl_pic.store.shared.store``, a store several servers use) is the last one
 looked up; new records are written to it asynchronously as well as to host memory, so a
 chunk one server computed is a hit on the others.
 
@@ -39,7 +39,7 @@ from sgl_pic.store.base import (
 )
 from sgl_pic.store.deletion import DeleteReport, Deletion
 from sgl_pic.store.deletion_log import DeletionLog
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.host import (
     HostStore,
     HostStoreConfig,
@@ -47,8 +47,8 @@ from sgl_pic.store.host import (
     WriteBackConfig,
     WriteBackStats,
 )
-from sgl_pic.store.record_write import WriteCancelled
-from sgl_pic.store.shared import SharedStore
+from sgl_pic.store.record.write import WriteCancelled
+from sgl_pic.store.shared.store import SharedStore
 from sgl_pic.store.tier_promotion import Promotions
 from sgl_pic.store.tier_shutdown import ShutdownReport as ShutdownReport
 from sgl_pic.store.tier_shutdown import shutdown_tiers

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sgl_pic.store.record_write import WriteCancelled
+from sgl_pic.store.record.write import WriteCancelled
 from sgl_pic.worker_threads import start_thread
 
 

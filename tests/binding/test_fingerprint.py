@@ -22,7 +22,7 @@ from transformers import LlamaConfig
 from sgl_pic.binding.fingerprint import attention_layout, rope_signature, server_fingerprint
 from sgl_pic.keys import ModelFingerprint, segment_keys
 from sgl_pic.store.base import ChunkKV
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.store.helpers import same_record

@@ -22,7 +22,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from sgl_pic.binding import lifecycle
 from sgl_pic.binding.lifecycle import ShutdownHook, install_shutdown
 from sgl_pic.engine.lower_tiers import LowerTiers
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.format import TMP_PREFIX, read_record
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
@@ -186,7 +186,7 @@ import logging, sys, threading, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 from sgl_pic.binding.lifecycle import install_shutdown
 from sgl_pic.core.metrics import PicMetrics
-from sgl_pic.store import disk as disk_mod
+from sgl_pic.store.disk import store as disk_mod
 from tests.binding.test_lifecycle import make_lower, put_segments
 
 root, mode = sys.argv[1], sys.argv[2]

@@ -24,7 +24,7 @@ from sgl_pic.engine.rotation import ModelRope, RopeSpec
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import RopeLayout, default_inv_freq
 from sgl_pic.selection import cachetune_ranking
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.support.fakes import FakeAllocator, FakePool

@@ -34,7 +34,7 @@ from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import apply_rope, default_inv_freq
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.loader import (
     ChunkPlacement,

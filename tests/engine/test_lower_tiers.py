@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig, WriteBackStats
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.store.helpers import hold_disk_writes

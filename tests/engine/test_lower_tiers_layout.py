@@ -30,12 +30,12 @@ from sgl_pic.engine.layer_feed import LayerFeed, MissingChunkError, feed_every_l
 from sgl_pic.engine.rotation import ModelRope
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
-from sgl_pic.store import disk as disk_mod
 from sgl_pic.store.base import ChunkKV
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk import store as disk_mod
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.format import encode_record, write_record
 from sgl_pic.store.object_backend import ObjectBackend, PutOutcome
-from sgl_pic.store.shared import SharedStore, SharedStoreConfig
+from sgl_pic.store.shared.store import SharedStore, SharedStoreConfig
 from tests.support.fakes import SENTINEL, FakePool, chunk_data
 
 LAYERS, HEADS, DIM, N = 3, 2, 8, 6

@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from sgl_pic.engine.lower_tiers import LowerTiers
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.rope import default_inv_freq
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig
-from sgl_pic.store.shared import SharedStore, SharedStoreConfig
-from sgl_pic.store.shared_service import SharedStoreService
+from sgl_pic.store.shared.service import SharedStoreService
+from sgl_pic.store.shared.store import SharedStore, SharedStoreConfig
 from sgl_pic.store.store_link import LinkConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.store.shared_helpers import start_service

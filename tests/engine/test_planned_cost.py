@@ -22,7 +22,7 @@ from sgl_pic.keys import ModelFingerprint
 from sgl_pic.layout import PromptLayout
 from sgl_pic.registry import POLICIES
 from sgl_pic.rope import default_inv_freq
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.support.fakes import FakeAllocator, chunk_data

@@ -51,7 +51,7 @@ from sgl_pic.engine.rank_agreement import ChunkVote, PeerFailed, RankAgreement
 from sgl_pic.keys import ModelFingerprint
 from sgl_pic.store.admission import StoreAdmission
 from sgl_pic.store.deletion import Deletion, segment_contents
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.format import read_header
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig

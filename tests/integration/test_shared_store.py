@@ -18,7 +18,7 @@ import pytest
 
 from sgl_pic.store.format import read_header
 from sgl_pic.store.object_backend import make_backend
-from sgl_pic.store.shared_service import SharedStoreService
+from sgl_pic.store.shared.service import SharedStoreService
 from tests.store.shared_helpers import start_service
 from tests.support.prompts import body, chunked, ids
 from tests.support.server import Server, launch

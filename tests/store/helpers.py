@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sgl_pic.keys import ModelFingerprint
-from sgl_pic.store import disk as disk_mod
 from sgl_pic.store.base import ChunkKV
+from sgl_pic.store.disk import store as disk_mod
 
 MODEL = ModelFingerprint(model_id="test-model", dtype="float32", pre_rope=True).digest()
 OTHER_MODEL = ModelFingerprint(model_id="other-model", dtype="float32", pre_rope=True).digest()

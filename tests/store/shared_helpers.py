@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from sgl_pic.store.shared_service import ServiceConfig, ServiceError, SharedStoreService
+from sgl_pic.store.shared.service import ServiceConfig, ServiceError, SharedStoreService
 
 
 def free_port_block(n: int = 4) -> int:

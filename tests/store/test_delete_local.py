@@ -11,7 +11,7 @@ import pytest
 
 from sgl_pic.store.deletion import DeleteReport, Deletion, content_digest
 from sgl_pic.store.deletion_log import DeletionLog
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.host import HostStore, HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from tests.store.helpers import MODEL, hold_disk_writes, make_record

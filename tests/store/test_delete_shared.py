@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from sgl_pic.store.deletion import Deletion, content_digest
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.host import HostStoreConfig
-from sgl_pic.store.shared import SharedStore, SharedStoreConfig
-from sgl_pic.store.shared_service import SharedStoreService
+from sgl_pic.store.shared.service import SharedStoreService
+from sgl_pic.store.shared.store import SharedStore, SharedStoreConfig
 from sgl_pic.store.store_link import LinkConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig
 from sgl_pic.store.tombstones import decode_tombstone, encode_tombstone

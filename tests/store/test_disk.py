@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sgl_pic.store import format as fmt
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.format import (
     FORMAT_VERSION,
     TMP_PREFIX,

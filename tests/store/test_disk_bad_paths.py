@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.format import NotRegularFileError, read_header, read_record
 from tests.store.helpers import MODEL, make_record, same_record
 

@@ -14,9 +14,9 @@ import types
 
 import pytest
 
-from sgl_pic.store import disk as disk_mod
 from sgl_pic.store import format as fmt
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk import store as disk_mod
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from tests.store.helpers import MODEL, make_record, same_record
 
 FILE_BYTES = fmt.encode_record(make_record(seed=0)).size  # every test record's file

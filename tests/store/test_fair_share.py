@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 
 from sgl_pic.store.base import ChunkKV
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.eviction import EVICTION_POLICIES
 from sgl_pic.store.host import HostStore, HostStoreConfig
 from tests.store.helpers import MODEL, make_record

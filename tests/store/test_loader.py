@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sgl_pic.rope import apply_rope, default_inv_freq, rerotate
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from sgl_pic.store.host import HostStore, HostStoreConfig
 from sgl_pic.store.loader import ChunkPlacement, LoaderConfig, SparseLoader, complement
 from tests.store.helpers import MODEL, make_record

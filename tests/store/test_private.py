@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_pic.store.disk import DiskStore, DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStore, DiskStoreConfig
 from tests.store.helpers import MODEL, OTHER_MODEL, make_record
 
 

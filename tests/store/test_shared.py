@@ -14,8 +14,8 @@ import torch
 
 from sgl_pic.store.format import encode_record
 from sgl_pic.store.object_backend import StoreAddress, make_backend
-from sgl_pic.store.shared import SharedStore, SharedStoreConfig
-from sgl_pic.store.shared_service import SharedStoreService
+from sgl_pic.store.shared.service import SharedStoreService
+from sgl_pic.store.shared.store import SharedStore, SharedStoreConfig
 from sgl_pic.store.store_link import LinkConfig
 from tests.store.helpers import MODEL, OTHER_MODEL, make_record, same_record
 from tests.store.shared_helpers import free_port_block, start_service

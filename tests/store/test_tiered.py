@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from sgl_pic.store.disk import DiskStoreConfig
+from sgl_pic.store.disk.store import DiskStoreConfig
 from sgl_pic.store.format import TMP_PREFIX, read_record
 from sgl_pic.store.host import HostStoreConfig
 from sgl_pic.store.tiered import TieredStore, TieredStoreConfig

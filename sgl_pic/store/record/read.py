@@ -21,7 +21,7 @@ import torch
 
 from sgl_pic.store.base import DTYPES, ChunkKV, layer_offsets, normalize_indices
 from sgl_pic.store.errors import CorruptRecordError
-from sgl_pic.store.record_header import (
+from sgl_pic.store.record.header import (
     DIGEST_BYTES,
     PREFIX_BYTES,
     RecordHeader,

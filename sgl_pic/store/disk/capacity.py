@@ -1,7 +1,7 @@
 """The disk tier's effective capacity after a full disk: lowered to what the tier holds
 when a write fails with ENOSPC or EDQUOT, grown back by half the free space
 ``os.statvfs`` reports, at most to the configured capacity and at most once per
-interval (see ``sgl_pic.store.disk``). Half, since the free space is shared (with other
+interval (see ``sgl_pic.store.disk.store``). Half, since the free space is shared (with other
 writers and with our writes in flight, which may already have taken part of it):
 repeated checks approach the disk's size without overshooting it; an overshoot (someone
 else filled it) only costs one failed write that lowers the capacity again.

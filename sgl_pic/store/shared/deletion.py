@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from sgl_pic.store.deletion import DeleteReport, Deletion
 from sgl_pic.store.deletion_log import DeletionLog
 from sgl_pic.store.object_backend import BackendError, BackendUnavailable
-from sgl_pic.store.record_header import RecordHeader
+from sgl_pic.store.record.header import RecordHeader
 from sgl_pic.store.store_link import StoreLink
 from sgl_pic.store.tombstones import Tombstones
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from sgl_pic.store.record_header import RecordHeader
-from sgl_pic.store.shared_deletion import Known
+from sgl_pic.store.record.header import RecordHeader
+from sgl_pic.store.shared.deletion import Known
 
 
 class HeaderCache:

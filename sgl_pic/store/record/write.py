@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sgl_pic.store.base import ChunkKV
-from sgl_pic.store.record_encode import EncodedRecord, encode_record
+from sgl_pic.store.record.encode import EncodedRecord, encode_record
 
 TMP_PREFIX = ".tmp-"
 # write_record hands at most this many bytes to one os.write, so a cancel is seen promptly.

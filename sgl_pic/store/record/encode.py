@@ -1,6 +1,6 @@
 """A chunk record serialised for writing: its payload (each layer's K then V, as raw
 tensor bytes) with a SHA-256 per block of tokens, and the header that describes both
-(``record_header``). The size of the file is known before any byte reaches a disk, so
+(``record.header``). The size of the file is known before any byte reaches a disk, so
 stores reserve capacity with it. Pure: reads the record, copies its tensors to the CPU.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from sgl_pic.store.base import ChunkKV, hash_token_ids
-from sgl_pic.store.record_header import FORMAT_VERSION, pack_header
+from sgl_pic.store.record.header import FORMAT_VERSION, pack_header
 
 
 def _tensor_bytes(t: torch.Tensor) -> np.ndarray:

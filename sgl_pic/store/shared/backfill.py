@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from sgl_pic.store.base import ChunkKV
 from sgl_pic.store.object_backend import BackendError, BackendUnavailable, PutOutcome
-from sgl_pic.store.record_encode import encode_record
-from sgl_pic.store.shared_deletion import SharedDeletions
+from sgl_pic.store.record.encode import encode_record
+from sgl_pic.store.shared.deletion import SharedDeletions
 from sgl_pic.store.store_link import StoreLink
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import torch
 
 from sgl_pic.store.base import DTYPES
 from sgl_pic.store.errors import CorruptRecordError
-from sgl_pic.store.record_header import DIGEST_BYTES, RecordHeader
+from sgl_pic.store.record.header import DIGEST_BYTES, RecordHeader
 from sgl_pic.store.store_link import StoreLink
 
 

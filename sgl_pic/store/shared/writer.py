@@ -16,11 +16,11 @@ from sgl_pic.store.base import ChunkKV, RecordLayout
 from sgl_pic.store.errors import LayoutMismatchError
 from sgl_pic.store.host import WriteBack, WriteBackConfig
 from sgl_pic.store.object_backend import BackendError, BackendUnavailable, PutOutcome
-from sgl_pic.store.record_encode import encode_record
-from sgl_pic.store.shared_backfill import Backfill
-from sgl_pic.store.shared_counts import SharedCounts
-from sgl_pic.store.shared_deletion import SharedDeletions
-from sgl_pic.store.shared_headers import HeaderCache
+from sgl_pic.store.record.encode import encode_record
+from sgl_pic.store.shared.backfill import Backfill
+from sgl_pic.store.shared.counts import SharedCounts
+from sgl_pic.store.shared.deletion import SharedDeletions
+from sgl_pic.store.shared.headers import HeaderCache
 from sgl_pic.store.store_link import StoreLink
 
 

@@ -24,8 +24,8 @@ from sgl_pic.store.errors import (
     TruncatedRecordError,
     UnsupportedFormatError,
 )
-from sgl_pic.store.record_read import NotRegularFileError
-from sgl_pic.store.record_write import TmpOwner, is_local_owner, tmp_owner
+from sgl_pic.store.record.read import NotRegularFileError
+from sgl_pic.store.record.write import TmpOwner, is_local_owner, tmp_owner
 
 # Counted as "enospc": the device is full, a quota is spent, or the process's file-size
 # limit is reached; each means this record cannot be written now.

@@ -23,10 +23,10 @@ its eviction lowers the capacity again, so the tier converges on what the disk c
 The capacity grows back towards the configured one when ``os.statvfs`` reports free
 space again: checked by a put at most every ``regrow_interval_s`` seconds while lowered,
 and by half the free space each time (the rest is left to other writers, ours in flight
-among them: ``disk_capacity``). ``stats().capacity_bytes`` is the effective capacity.
+among them: ``disk.capacity``). ``stats().capacity_bytes`` is the effective capacity.
 
-Where the parts live: the start-up scan ``disk_scan``, bad files and failed reads
-``disk_files``, the capacity after a full disk ``disk_capacity``, the file format
+Where the parts live: the start-up scan ``disk.scan``, bad files and failed reads
+``disk.files``, the capacity after a full disk ``disk.capacity``, the file format
 ``record_*`` (``format``), the index and eviction ``bounded``. ``DiskStore`` stays over
 250 lines: each of its reads and writes pairs a step on the index, under the index's lock,
 with a file step outside it (access, read, forget on failure; reserve, write, then index
@@ -55,19 +55,19 @@ from sgl_pic.store.base import (
 )
 from sgl_pic.store.bounded import BoundedStore
 from sgl_pic.store.deletion_log import DeletionLog
-from sgl_pic.store.disk_capacity import CapacityRegrowth
-from sgl_pic.store.disk_files import FULL, NO_SPACE, count_failed_read
-from sgl_pic.store.disk_scan import scan_root
+from sgl_pic.store.disk.capacity import CapacityRegrowth
+from sgl_pic.store.disk.files import FULL, NO_SPACE, count_failed_read
+from sgl_pic.store.disk.scan import scan_root
 from sgl_pic.store.errors import (
     RecordShapeError,
     StoreError,
 )
 from sgl_pic.store.eviction import check_policy
 from sgl_pic.store.private import LooseModes, is_loose, make_private_dir, report
-from sgl_pic.store.record_encode import EncodedRecord, encode_record
-from sgl_pic.store.record_header import RecordHeader, file_name
-from sgl_pic.store.record_read import RecordFile, read_header
-from sgl_pic.store.record_write import WriteCancelled, write_record
+from sgl_pic.store.record.encode import EncodedRecord, encode_record
+from sgl_pic.store.record.header import RecordHeader, file_name
+from sgl_pic.store.record.read import RecordFile, read_header
+from sgl_pic.store.record.write import WriteCancelled, write_record
 
 
 class _PutTarget(NamedTuple):

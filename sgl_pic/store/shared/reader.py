@@ -1,7 +1,7 @@
 """Reads of the shared tier, on the scheduler thread: a key's header is read once and kept
 (``HeaderCache``), checked against the model, the caller's tokens and the serving KV
 layout, and against the deletion tombstones; payloads move as the checksum blocks that
-hold the wanted tokens (``shared_blocks``), verified before any byte is returned.
+hold the wanted tokens (``shared.blocks``), verified before any byte is returned.
 
 A bad object (corrupt, truncated, of another KV layout or tokens) is counted, removed
 from the store and answered as a miss; one of another model or a newer format is counted
@@ -29,16 +29,16 @@ from sgl_pic.store.errors import (
     UnsupportedFormatError,
 )
 from sgl_pic.store.object_backend import BackendError, BackendUnavailable
-from sgl_pic.store.record_header import (
+from sgl_pic.store.record.header import (
     PREFIX_BYTES,
     RecordHeader,
     check_expectations,
     parse_header,
 )
-from sgl_pic.store.shared_blocks import read_blocks
-from sgl_pic.store.shared_counts import SharedCounts
-from sgl_pic.store.shared_deletion import SharedDeletions
-from sgl_pic.store.shared_headers import HeaderCache
+from sgl_pic.store.shared.blocks import read_blocks
+from sgl_pic.store.shared.counts import SharedCounts
+from sgl_pic.store.shared.deletion import SharedDeletions
+from sgl_pic.store.shared.headers import HeaderCache
 from sgl_pic.store.store_link import StoreLink
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The disk tier's start-up scan: every record file under the root, its header read and
 checked, becomes an index entry; what is not a sound record of this model and KV layout
-is counted (and deleted when ours and broken: ``disk_files``), leftover temp files of
+is counted (and deleted when ours and broken: ``disk.files``), leftover temp files of
 killed writers are removed (counted "leftover_tmp"), and record files readable by others
 are counted for ``private.report``. Runs once, in ``DiskStore.__init__``.
 """
@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sgl_pic.store.base import RecordLayout
-from sgl_pic.store.disk_files import count_bad, remove_stale_tmp
+from sgl_pic.store.disk.files import count_bad, remove_stale_tmp
 from sgl_pic.store.errors import CorruptRecordError, StoreError
 from sgl_pic.store.private import is_loose
-from sgl_pic.store.record_header import SUFFIX, file_name
-from sgl_pic.store.record_read import read_header
-from sgl_pic.store.record_write import TMP_PREFIX
+from sgl_pic.store.record.header import SUFFIX, file_name
+from sgl_pic.store.record.read import read_header
+from sgl_pic.store.record.write import TMP_PREFIX
 
 
 class FoundRecord(NamedTuple):

@@ -25,10 +25,10 @@ record written carries the count of tombstones its writer had applied; a read of
 a later tombstone covers is a miss, and the object is removed. ``sync_deletions`` reads
 the tombstones other servers appended, for the tiers above to apply.
 
-Where each part lives: reads ``shared_reader`` (block reads ``shared_blocks``, kept
-headers ``shared_headers``), writes ``shared_writer`` (backfill ``shared_backfill``),
-deletions ``shared_deletion`` (tombstones ``tombstones``), the link ``store_link``, the
-counters ``shared_counts``; ``SharedStore`` puts them together behind ``ChunkStore``.
+Where each part lives: reads ``shared.reader`` (block reads ``shared.blocks``, kept
+headers ``shared.headers``), writes ``shared.writer`` (backfill ``shared.backfill``),
+deletions ``shared.deletion`` (tombstones ``tombstones``), the link ``store_link``, the
+counters ``shared.counts``; ``SharedStore`` puts them together behind ``ChunkStore``.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ from sgl_pic.store.object_backend import (
     StoreAddress,
     make_backend,
 )
-from sgl_pic.store.shared_counts import SharedCounts
-from sgl_pic.store.shared_deletion import SharedDeletions
-from sgl_pic.store.shared_headers import HeaderCache
-from sgl_pic.store.shared_reader import SharedReader
-from sgl_pic.store.shared_writer import SharedWriter
+from sgl_pic.store.shared.counts import SharedCounts
+from sgl_pic.store.shared.deletion import SharedDeletions
+from sgl_pic.store.shared.headers import HeaderCache
+from sgl_pic.store.shared.reader import SharedReader
+from sgl_pic.store.shared.writer import SharedWriter
 from sgl_pic.store.store_link import LinkConfig, LinkStats, StoreLink
 
 

@@ -6,7 +6,7 @@ RPC), PORT + 1 (metadata, HTTP), PORT + 2 (holder), PORT + 3 (master metrics, HT
 ``/metrics`` says when the holder's memory is mounted). The holder mounts no disk: the
 store is memory, and a restart empties it (servers then recompute and store again).
 
-``python -m sgl_pic.store.shared_service --port 50551 --memory-mb 2048`` runs it in the
+``python -m sgl_pic.store.shared.service --port 50551 --memory-mb 2048`` runs it in the
 foreground until SIGTERM/SIGINT (``scripts/shared_store.sh`` runs it in the background).
 """
 
