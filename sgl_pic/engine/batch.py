@@ -22,7 +22,7 @@ from sgl_pic.core.gate import Pending
 from sgl_pic.core.metrics import PicMetrics
 from sgl_pic.core.runs import Run
 from sgl_pic.engine import planner
-from sgl_pic.engine.eligibility import ExtendView, Refusal, refusal
+from sgl_pic.engine.eligibility import ExtendView, Ineligible, refusal
 from sgl_pic.engine.phase_port import Stack
 from sgl_pic.engine.pieces import CarriedPlan, PiecePlans
 from sgl_pic.engine.planner import RequestPlan
@@ -30,7 +30,6 @@ from sgl_pic.store.admission import BatchAdmission
 
 logger = logging.getLogger(__name__)
 
-# The decoder stack's own forward: (ids # [n], positions # [n], ForwardBatch) -> # [n, hidden]
 # One chunked request's plan per batch index of the live batch.
 Plans = dict[int, RequestPlan]
 
@@ -182,14 +181,14 @@ def chunk_specs(
                 carried.drop(rid)
                 plan = None
             why = refusal(pending.token_ids, live_view(live, b, pending.token_ids, start, end))
-            if why is Refusal.RESUMED:
+            if why is Ineligible.RESUMED:
                 # SGLang retracted it under KV pressure (``retract_decode``) and now
                 # prefills its prompt and the output so far again: its prompt's KV comes
                 # from its own namespace of the prefix tree where still held, the rest
                 # is computed as SGLang would. Not a fallback: the prompt was served.
                 logger.info("sgl_pic: request %s resumes after a retraction", rid)
                 metrics.resumed.inc()
-            elif why is Refusal.INPUT_LOGPROBS:
+            elif why is Ineligible.INPUT_LOGPROBS:
                 logger.warning("sgl_pic: request %s runs without reuse", rid)
                 metrics.fallbacks.inc()
                 carried.drop(rid)

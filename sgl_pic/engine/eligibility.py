@@ -14,7 +14,7 @@ from enum import Enum
 from typing import NamedTuple
 
 
-class Refusal(Enum):
+class Ineligible(Enum):
     """Why an extend of a request with verified marks runs as SGLang runs it."""
 
     EXTRA_INPUTS = "extra_inputs"  # input embeddings or pipeline tensors in the batch
@@ -37,15 +37,15 @@ class ExtendView(NamedTuple):
     extra_inputs: bool = False
 
 
-def refusal(admitted: Sequence[int], view: ExtendView) -> Refusal | None:
+def refusal(admitted: Sequence[int], view: ExtendView) -> Ineligible | None:
     """Why the chunk path does not take ``view`` for a request admitted with the token
     ids ``admitted``, or None when it does (the whole prompt, or a piece of it)."""
     if view.extra_inputs:
-        return Refusal.EXTRA_INPUTS
+        return Ineligible.EXTRA_INPUTS
     if tuple(view.token_ids) != tuple(admitted):
-        return Refusal.TOKENS_CHANGED
+        return Ineligible.TOKENS_CHANGED
     if view.end > len(admitted):
-        return Refusal.RESUMED
+        return Ineligible.RESUMED
     if view.logprob_start is not None and view.logprob_start < view.extend - 1:
-        return Refusal.INPUT_LOGPROBS
+        return Ineligible.INPUT_LOGPROBS
     return None
